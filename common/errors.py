@@ -1,0 +1,44 @@
+"""One error hierarchy for the core; every message names the field and both values."""
+
+from __future__ import annotations
+
+
+class GlmPdError(Exception):
+    """Base class of every error glm-pd raises on purpose."""
+
+
+class ConfigError(GlmPdError, ValueError):
+    """A model config, preset or user setting is unusable; the message names the field."""
+
+
+class LayoutMismatch(GlmPdError):
+    """Two peers disagree on a byte-relevant fact; carries every differing field."""
+
+    def __init__(self, diffs: list[tuple[str, object, object]], *, local: str = "local", remote: str = "remote"):
+        self.diffs = diffs
+        lines = "; ".join(f"{name}: {local}={a!r} {remote}={b!r}" for name, a, b in diffs)
+        super().__init__(f"layout mismatch on {len(diffs)} field(s): {lines}")
+
+
+class PageOutOfRange(GlmPdError, IndexError):
+    """A page id (often supplied by a remote peer) does not exist in a region."""
+
+
+class PlanError(GlmPdError, ValueError):
+    """The inputs of a transfer plan are inconsistent (prefix, lengths, page tables, pairing)."""
+
+
+class ProtocolError(GlmPdError, ValueError):
+    """A wire message has an unknown version, the wrong shape or the wrong size."""
+
+
+class TransferFailed(GlmPdError):
+    """A transport operation failed; the message says which peer, region and operation."""
+
+
+class LeaseExpired(GlmPdError):
+    """Prefill's hold on a request's pages ran out before decode confirmed its read."""
+
+
+class ChecksumMismatch(GlmPdError):
+    """Bytes differ after a transfer; names the layer, the region kind and the page."""

@@ -1,0 +1,94 @@
+import contextlib
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from glm_pd_common import protocol as proto
+from glm_pd_common.errors import ProtocolError
+from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape
+from glm_pd_common.geometry import ModelGeometry
+from glm_pd_common.spec import CacheSpec
+
+V = PROTOCOL_VERSION
+
+
+def _hello():
+    fp = CacheSpec.create(ModelGeometry.preset("glm-5.3")).fingerprint()
+    return proto.Hello(
+        v=V,
+        engine_id="p0",
+        fingerprint=fp,
+        shape=PeerShape(64, 8, 0),
+        regions=[proto.RegionSummary("main", 0, False, 100, 41984, 41984)],
+        transport="nixl",
+        agent_name="a",
+        agent_metadata=b"\x00meta",
+    )
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        _hello(),
+        proto.TransferRequest(
+            v=V, request_id="r", num_tokens=10, prefix_tokens=0, src_pages=[1], dst_pages=[2], dst_engine_id="d"
+        ),
+        proto.Done(v=V, request_id="r", num_bytes=5, digests=[1, 2]),
+        proto.Failed(v=V, request_id="r", reason="x"),
+        proto.Abort(v=V, request_id="r", reason="x"),
+        proto.Heartbeat(v=V, engine_id="e", seq=3),
+        proto.DigestQuery(v=V, request_id="r", region_indices=[0]),
+        proto.PageDigests(v=V, request_id="r", pages={0: [1, 2]}),
+    ],
+)
+def test_round_trip(msg):
+    assert proto.decode(proto.encode(msg)) == msg
+
+
+def test_unknown_version_refused_before_shape():
+    raw = msgspec.msgpack.encode({"type": "done", "v": 99, "whatever": [1]})
+    with pytest.raises(ProtocolError, match="protocol version 99"):
+        proto.decode(raw)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"type": "done", "v": V, "request_id": 5, "num_bytes": 1},
+        {"type": "done", "v": V, "request_id": "r"},
+        {"type": "nope", "v": V},
+        {"type": "done", "v": V, "request_id": "r", "num_bytes": 1, "extra": 1},
+        {
+            "type": "transfer",
+            "v": V,
+            "request_id": "r",
+            "num_tokens": 1,
+            "prefix_tokens": 0,
+            "src_pages": ["1"],
+            "dst_pages": [1],
+            "dst_engine_id": "d",
+        },
+    ],
+)
+def test_wrong_shape_refused(raw):
+    with pytest.raises(ProtocolError, match="malformed"):
+        proto.decode(msgspec.msgpack.encode(raw))
+
+
+def test_oversized_refused():
+    with pytest.raises(ProtocolError, match="exceeds the cap"):
+        proto.decode(b"\x00" * (proto.MAX_MESSAGE_BYTES + 1))
+
+
+@given(st.binary(max_size=256))
+def test_arbitrary_bytes_never_crash(blob):
+    with contextlib.suppress(ProtocolError):
+        proto.decode(blob)
+
+
+def test_truncated_hello_refused():
+    raw = proto.encode(_hello())
+    with pytest.raises(ProtocolError):
+        proto.decode(raw[: len(raw) // 2])
