@@ -28,9 +28,14 @@ def runs_min(plan: TransferPlan) -> int:
     total = 0
     for entry in plan.entries:
         s, d, n = chunk_runs(
-            plan.chunks, entry.src.page_format, plan.src_pages, plan.dst_pages,
-            src_page_tokens=entry.src.page_tokens, dst_page_tokens=entry.dst.page_tokens,
-            src_stride=entry.src.page_stride, dst_stride=entry.dst.page_stride,
+            plan.chunks,
+            entry.src.page_format,
+            plan.src_pages,
+            plan.dst_pages,
+            src_page_tokens=entry.src.page_tokens,
+            dst_page_tokens=entry.dst.page_tokens,
+            src_stride=entry.src.page_stride,
+            dst_stride=entry.dst.page_stride,
         )
         starts = (s << 31) | d
         ends = ((s + n) << 31) | (d + n)
@@ -50,12 +55,20 @@ def bench(tokens: int, repeats: int) -> list[dict[str, object]]:
                 plan = plan_for(inputs, allocator)
                 times.append((time.perf_counter() - t0) * 1e3)
             assert plan is not None
-            rows.append({
-                "tokens": tokens, "allocator": allocator, "prefill_page_tokens": p, "decode_page_tokens": d,
-                "regions": len(plan.entries), "ms_median": round(statistics.median(times), 2),
-                "ms_min": round(min(times), 2), "runs": plan.num_runs, "runs_min": runs_min(plan),
-                "bytes": plan.num_bytes,
-            })
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "allocator": allocator,
+                    "prefill_page_tokens": p,
+                    "decode_page_tokens": d,
+                    "regions": len(plan.entries),
+                    "ms_median": round(statistics.median(times), 2),
+                    "ms_min": round(min(times), 2),
+                    "runs": plan.num_runs,
+                    "runs_min": runs_min(plan),
+                    "bytes": plan.num_bytes,
+                }
+            )
     return rows
 
 
@@ -74,8 +87,10 @@ def main() -> None:
         return
     print(f"{'P->D':>8} {'allocator':>10} {'ms (median)':>12} {'runs':>10} {'runs_min':>10} {'GB':>7}")
     for r in rows:
-        print(f"{r['prefill_page_tokens']:>3}->{r['decode_page_tokens']:<4} {r['allocator']:>10} "
-              f"{r['ms_median']:>12.2f} {r['runs']:>10,} {r['runs_min']:>10,} {r['bytes'] / 1e9:>7.2f}")
+        print(
+            f"{r['prefill_page_tokens']:>3}->{r['decode_page_tokens']:<4} {r['allocator']:>10} "
+            f"{r['ms_median']:>12.2f} {r['runs']:>10,} {r['runs_min']:>10,} {r['bytes'] / 1e9:>7.2f}"
+        )
     print(f"(JSON written to {args.out})")
 
 

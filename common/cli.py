@@ -1,4 +1,4 @@
-"""``glm-pd`` command line: plan (the capacity account); later subcommands register here."""
+"""``glm-pd`` command line: plan (the capacity account), demo (a real loopback handoff)."""
 
 from __future__ import annotations
 
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm-pd", description="GLM-5.x-aware PD handoff for vLLM and SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
+    from glm_pd_common.demo import add_parser as add_demo
+
+    add_demo(sub)
     return parser
 
 

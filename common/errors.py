@@ -16,8 +16,15 @@ class LayoutMismatch(GlmPdError):
 
     def __init__(self, diffs: list[tuple[str, object, object]], *, local: str = "local", remote: str = "remote"):
         self.diffs = diffs
-        lines = "; ".join(f"{name}: {local}={a!r} {remote}={b!r}" for name, a, b in diffs)
+        lines = "; ".join(f"{name}: {local}={a!r} {remote}={b!r}{_set_delta(a, b)}" for name, a, b in diffs)
         super().__init__(f"layout mismatch on {len(diffs)} field(s): {lines}")
+
+
+def _set_delta(a: object, b: object) -> str:
+    """For two id lists, the ids on which they differ (long layer lists are hard to compare by eye)."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return f" (differ on {sorted(set(a) ^ set(b))})"
+    return ""
 
 
 class PageOutOfRange(GlmPdError, IndexError):

@@ -79,11 +79,13 @@ def diff(a: Fingerprint, b: Fingerprint) -> list[tuple[str, object, object]]:
     return out
 
 
-def require_match(local: Fingerprint, remote: Fingerprint, *, remote_name: str = "remote") -> None:
+def require_match(
+    local: Fingerprint, remote: Fingerprint, *, local_name: str = "local", remote_name: str = "remote"
+) -> None:
     """Refuse a peer whose layout differs in any byte-relevant fact, naming every field."""
     diffs = diff(local, remote)
     if diffs:
-        raise LayoutMismatch(diffs, remote=remote_name)
+        raise LayoutMismatch(diffs, local=local_name, remote=remote_name)
 
 
 def require_convertible(prefill: PeerShape, decode: PeerShape) -> None:

@@ -14,64 +14,76 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.regions import MemKind, Region, build_regions
 from glm_pd_common.spec import CacheSpec
 
-_FP8_NAN = (0x7F, 0xFF)
-_BLOCK_TOKENS = 8192  # bounds the index arrays of one fancy-indexed write to ~50 MB
+_BLOCK_TOKENS = 16384  # bounds the temporaries of one block to ~100 MB
 
 
 def _blocks(start: int, end: int) -> list[np.ndarray]:
     return [np.arange(s, min(s + _BLOCK_TOKENS, end), dtype=np.int64) for s in range(start, end, _BLOCK_TOKENS)]
 
 
-def _mix(seed: int, kind: int, layer: int, tokens: np.ndarray, width: int) -> np.ndarray:
-    """A cheap deterministic uint32 stream of shape (tokens, width) (splitmix-style multiply/xorshift)."""
-    t = tokens.astype(np.uint64)[:, None]
-    b = np.arange(width, dtype=np.uint64)[None, :]
-    x = (t * np.uint64(0x9E3779B97F4A7C15)) ^ (b * np.uint64(0xBF58476D1CE4E5B9))
-    x ^= np.uint64((seed * 1_000_003 + kind * 7919 + layer * 104_729) & 0xFFFFFFFFFFFF)
+def _token_hash(tokens: np.ndarray, seed: int, kind: int, layer: int) -> np.ndarray:
+    """A 64-bit splitmix hash per token, as 8 bytes: shape (tokens, 8)."""
+    x = tokens.astype(np.uint64) + np.uint64((seed * 1_000_003 + kind * 7919 + layer * 104_729) & 0xFFFFFFFF)
+    x *= np.uint64(0x9E3779B97F4A7C15)
     x ^= x >> np.uint64(31)
     x *= np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(29)
-    return (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return x.view(np.uint8).reshape(-1, 8)
 
 
-def _fp8(bits: np.ndarray) -> np.ndarray:
-    out = (bits & 0xFF).astype(np.uint8)
-    out[np.isin(out, _FP8_NAN)] = 0x3C  # 1.5: any non-NaN value keeps the row valid
-    return out
+def _stream(seed: int, kind: int, layer: int, tokens: np.ndarray, width: int) -> np.ndarray:
+    """Deterministic bytes of shape (tokens, width): a per-(kind, layer) template shifted by a per-token hash.
+
+    Cheap (one byte add per output byte) and distinct per token: any misplaced token shows up.
+    """
+    template = np.random.default_rng([seed, kind, layer]).integers(0, 256, width, dtype=np.uint8)
+    h = _token_hash(tokens, seed, kind, layer)
+    return np.add(template[None, :], np.tile(h, -(-width // 8))[:, :width], order="C")
 
 
-def _pow2_fp32(bits: np.ndarray) -> np.ndarray:
-    exponent = -(bits % 12).astype(np.int32)
-    return np.ldexp(np.ones(bits.shape, dtype=np.float32), exponent).astype("<f4").view(np.uint8)
+def _fp8(raw: np.ndarray) -> np.ndarray:
+    raw[(raw & 0x7F) == 0x7F] = 0x3C  # 0x7F/0xFF are NaN in e4m3; 1.5 keeps the row valid
+    return raw
 
 
-def _bf16(bits: np.ndarray) -> np.ndarray:
-    values = ((bits % 2001).astype(np.float32) - 1000.0) / 256.0
+def _pow2_fp32(raw: np.ndarray) -> np.ndarray:
+    exponent = -(raw % 12).astype(np.int32)
+    return np.ldexp(np.ones(raw.shape, dtype=np.float32), exponent).astype("<f4").view(np.uint8)
+
+
+def _bf16(raw: np.ndarray) -> np.ndarray:
+    values = (raw.astype(np.float32) - 128.0) / 16.0
     return (values.astype("<f4").view("<u2")[..., 1::2]).copy().view(np.uint8)
 
 
 def token_rows(spec: CacheSpec, kind: str, layer: int, tokens: np.ndarray, seed: int) -> np.ndarray:
     """Each token's bytes for one cache, shape (tokens, bytes per token), segments concatenated."""
     if kind == "main":
-        fields = {name: (start, end) for name, start, end in spec.row.fields}
         out = np.empty((tokens.size, spec.row.row_bytes), dtype=np.uint8)
-        for name, (start, end) in fields.items():
+        for i, (name, start, end) in enumerate(spec.row.fields):
             width = end - start
             if name.endswith("fp8"):
-                out[:, start:end] = _fp8(_mix(seed, 1, layer, tokens, width))
+                out[:, start:end] = _fp8(_stream(seed, 10 + i, layer, tokens, width))
             elif name.endswith("fp32"):
-                out[:, start:end] = _pow2_fp32(_mix(seed, 2, layer, tokens, width // 4))
+                out[:, start:end] = _pow2_fp32(_stream(seed, 10 + i, layer, tokens, width // 4))
             else:
-                out[:, start:end] = _bf16(_mix(seed, 3, layer, tokens, width // 2))
+                out[:, start:end] = _bf16(_stream(seed, 10 + i, layer, tokens, width // 2))
         return out
-    head = spec.indexer.head_dim
-    keys = _fp8(_mix(seed, 4, layer, tokens, head))
-    bits = _mix(seed, 5, layer, tokens, 1)
+    keys = _fp8(_stream(seed, 20, layer, tokens, spec.indexer.head_dim))
+    raw = _stream(seed, 21, layer, tokens, 1)
     if spec.indexer.scale_format == "fp32":
-        scales = _pow2_fp32(bits)
+        scales = _pow2_fp32(raw)
     else:
-        scales = np.repeat((127 - (bits % 12)).astype(np.uint8), 4, axis=1)
+        scales = np.repeat((127 - (raw % 12)).astype(np.uint8), 4, axis=1)
     return np.concatenate([keys, scales], axis=1)
+
+
+def _touched(shape: tuple[int, int]) -> np.ndarray:
+    """Zeroed memory with every page faulted in, as an engine's preallocated cache is; an untouched
+    destination would make the first transfer pay the kernel's page faults."""
+    buf = np.empty(shape, dtype=np.uint8)
+    buf.fill(0)
+    return buf
 
 
 class HostCaches:
@@ -88,9 +100,9 @@ class HostCaches:
         index_page = spec.indexer.row_bytes * page_tokens
         self.buffers: dict[tuple[str, int], np.ndarray] = {}
         for layer in g.all_layers:
-            self.buffers["main", layer] = np.zeros((num_pages, main_page + page_padding), dtype=np.uint8)
+            self.buffers["main", layer] = _touched((num_pages, main_page + page_padding))
             if g.is_full(layer):
-                self.buffers["indexer", layer] = np.zeros((num_pages, index_page + page_padding), dtype=np.uint8)
+                self.buffers["indexer", layer] = _touched((num_pages, index_page + page_padding))
         self.regions: list[Region] = build_regions(
             g,
             spec.row,
@@ -114,31 +126,38 @@ class HostCaches:
         per_page = len(g.all_layers) * spec.row.row_bytes + len(g.indexer_layers) * spec.indexer.row_bytes
         return per_page * page_tokens * num_pages
 
-    def _slots(self, region: Region, page_table: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(page row, byte column) index arrays of each token's bytes in one region's buffer."""
+    def _segments(self, region: Region, page_table: np.ndarray, tokens: np.ndarray):
+        """Per segment: (a (pages, page_tokens, width) view of the buffer, page ids, token-in-page, columns)."""
         page_index = tokens // self.page_tokens
         if page_index.size and page_index.max() >= page_table.size:
             raise ConfigError(f"page table of {page_table.size} pages cannot hold token {int(tokens.max())}")
         pages = region.check_pages(page_table[page_index])
-        starts = region.page_format.token_ranges(tokens % self.page_tokens, self.page_tokens)
-        cols = [
-            start[:, None] + np.arange(width, dtype=np.int64)[None, :]
-            for start, width in zip(starts.T, region.page_format.segment_bytes_per_token, strict=True)
-        ]
-        return pages[:, None], np.concatenate(cols, axis=1)
+        in_page = tokens % self.page_tokens
+        buf = self.buffers[region.key]
+        col, out = 0, []
+        for start, width in zip(
+            region.page_format.segment_starts(self.page_tokens).tolist(),
+            region.page_format.segment_bytes_per_token,
+            strict=True,
+        ):
+            view = buf[:, start : start + self.page_tokens * width].reshape(self.num_pages, self.page_tokens, width)
+            out.append((view, pages, in_page, slice(col, col + width)))
+            col += width
+        return out
 
     def write_tokens(self, page_table: np.ndarray, start: int, end: int, *, seed: int) -> None:
         """Write tokens ``[start, end)`` of a request whose pages are ``page_table``."""
         table = np.asarray(page_table, dtype=np.int64)
         for tokens in _blocks(start, end):
             for region in self.regions:
-                rows, cols = self._slots(region, table, tokens)
                 data = token_rows(self.spec, region.kind, region.layer_id, tokens, seed)
-                self.buffers[region.key][rows, cols] = data
+                for view, pages, in_page, cols in self._segments(region, table, tokens):
+                    view[pages, in_page] = data[:, cols]
 
     def read_tokens(self, region: Region, page_table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        rows, cols = self._slots(region, np.asarray(page_table, dtype=np.int64), tokens)
-        return self.buffers[region.key][rows, cols]
+        table = np.asarray(page_table, dtype=np.int64)
+        parts = [view[pages, in_page] for view, pages, in_page, _ in self._segments(region, table, tokens)]
+        return np.concatenate(parts, axis=1)
 
     def mismatched_tokens(self, page_table: np.ndarray, start: int, end: int, *, seed: int) -> list[str]:
         """Regions whose tokens ``[start, end)`` differ from the expected content, with the first bad token."""

@@ -1,7 +1,8 @@
 """Versioned wire messages between peers (msgspec msgpack, tagged by ``type``).
 
 Version history:
-- 1: hello, transfer request, done, failed, abort, heartbeat, digest query/reply.
+- 1: hello, transfer request (decode's claim on a lease), claimed, done, released, failed, abort,
+  heartbeat, digest query/reply.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -27,9 +28,12 @@ class RegionSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: str
     layer_id: int
     is_mtp: bool
+    base_addr: int
     num_pages: int
     page_bytes: int
     page_stride: int
+    mem_kind: str = "DRAM"
+    device_id: int = 0
 
 
 class Hello(_Base, tag="hello"):
@@ -52,6 +56,21 @@ class TransferRequest(_Base, tag="transfer"):
     dst_pages: list[int]
     dst_engine_id: str
     verify: bool = False
+
+
+class Claimed(_Base, tag="claimed"):
+    """Prefill holds the pages until ``lease_s`` from now; ``digests`` are its per-region source digests."""
+
+    request_id: str
+    lease_s: float
+    num_bytes: int
+    digests: list[int] | None = None
+
+
+class Released(_Base, tag="released"):
+    """Prefill's answer to decode's done: the pages were still held when the read finished."""
+
+    request_id: str
 
 
 class Done(_Base, tag="done"):
@@ -85,7 +104,7 @@ class PageDigests(_Base, tag="page_digests"):
     pages: dict[int, list[int]]
 
 
-Message = Union[Hello, TransferRequest, Done, Failed, Abort, Heartbeat, DigestQuery, PageDigests]
+Message = Union[Hello, TransferRequest, Claimed, Released, Done, Failed, Abort, Heartbeat, DigestQuery, PageDigests]
 
 
 class _Header(msgspec.Struct):

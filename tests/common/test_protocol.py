@@ -21,7 +21,7 @@ def _hello():
         engine_id="p0",
         fingerprint=fp,
         shape=PeerShape(64, 8, 0),
-        regions=[proto.RegionSummary("main", 0, False, 100, 41984, 41984)],
+        regions=[proto.RegionSummary("main", 0, False, 1 << 30, 100, 41984, 41984)],
         transport="nixl",
         agent_name="a",
         agent_metadata=b"\x00meta",
@@ -36,6 +36,8 @@ def _hello():
             v=V, request_id="r", num_tokens=10, prefix_tokens=0, src_pages=[1], dst_pages=[2], dst_engine_id="d"
         ),
         proto.Done(v=V, request_id="r", num_bytes=5, digests=[1, 2]),
+        proto.Claimed(v=V, request_id="r", lease_s=30.0, num_bytes=5, digests=None),
+        proto.Released(v=V, request_id="r"),
         proto.Failed(v=V, request_id="r", reason="x"),
         proto.Abort(v=V, request_id="r", reason="x"),
         proto.Heartbeat(v=V, engine_id="e", seq=3),

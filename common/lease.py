@@ -1,0 +1,81 @@
+"""Prefill-held pages: a lease per request, claimed before a read, released on decode's confirmation.
+
+The rule that keeps freed pages from ever being served: decode may count a pull as good only when prefill
+confirms that the pages were still held when the read finished. Prefill answers that confirmation from
+this table: ``release`` returns False for a lease that expired (its pages may already hold other data), and
+decode must then fail or recompute the request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from glm_pd_common.errors import LeaseExpired
+
+
+@dataclass
+class Lease:
+    request_id: str
+    pages: np.ndarray
+    expires_at: float
+    claimed: bool = False
+
+
+class LeaseTable:
+    """Leases of one prefill instance. ``clock`` is injectable so expiry is testable without sleeping."""
+
+    def __init__(self, ttl_s: float, transfer_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.transfer_ttl_s = transfer_ttl_s
+        self._clock = clock
+        self._leases: dict[str, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def grant(self, request_id: str, pages: np.ndarray) -> float:
+        """Hold ``pages`` for ``request_id``; returns the expiry time. A duplicate id is refused."""
+        if request_id in self._leases:
+            raise ValueError(f"request {request_id} already holds a lease")
+        lease = Lease(request_id, np.asarray(pages, dtype=np.int64), self._clock() + self.ttl_s)
+        self._leases[request_id] = lease
+        return lease.expires_at
+
+    def claim(self, request_id: str) -> Lease:
+        """Decode is about to read: extend the hold to cover the transfer, or refuse an expired lease."""
+        lease = self._live(request_id)
+        lease.claimed = True
+        lease.expires_at = max(lease.expires_at, self._clock() + self.transfer_ttl_s)
+        return lease
+
+    def release(self, request_id: str) -> np.ndarray:
+        """Decode confirms its read: free the pages; raises ``LeaseExpired`` if they were not held to now."""
+        lease = self._live(request_id)
+        del self._leases[request_id]
+        return lease.pages
+
+    def drop(self, request_id: str) -> np.ndarray | None:
+        """Abort: free the pages whatever the lease's state."""
+        lease = self._leases.pop(request_id, None)
+        return None if lease is None else lease.pages
+
+    def expire(self) -> list[Lease]:
+        """Remove and return every lease past its expiry (the caller frees their pages)."""
+        now = self._clock()
+        gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in gone:
+            del self._leases[lease.request_id]
+        return gone
+
+    def _live(self, request_id: str) -> Lease:
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise LeaseExpired(f"request {request_id}: no lease held (expired, released or never granted)")
+        if lease.expires_at <= self._clock():
+            # Left in the table: ``expire`` hands it to the caller, who frees its pages.
+            raise LeaseExpired(f"request {request_id}: lease expired {self._clock() - lease.expires_at:.3f} s ago")
+        return lease

@@ -1,0 +1,160 @@
+"""NIXL (UCX backend) transport: one agent per rank, no progress thread.
+
+Without a progress thread (it busy-spins a core per agent), the passive side must keep calling
+``notifs()`` so UCX makes progress; the adapters' poll loops do. Notifications drained while polling are
+kept in a backlog so none is lost.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from importlib import metadata as pkg_metadata
+
+import numpy as np
+
+from glm_pd_common.errors import TransferFailed
+from glm_pd_common.regions import Region
+from glm_pd_common.transport.base import (
+    Transfer,
+    Transport,
+    TransportConfig,
+    TransportInfo,
+    rdma_devices,
+    tcp_refusal,
+)
+
+_LOCAL = "NIXL_INIT_AGENT"
+
+
+def _prepare_environment(devices: tuple[str, ...]) -> None:
+    # UCX's ib module drags a second libnl into the process and segfaults at exit; with no RDMA
+    # device it has nothing to offer, so keep it out. Where devices exist, UCX is left alone.
+    if not devices:
+        os.environ.setdefault("UCX_MODULES", "^ib")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+def _tls_allows_rdma() -> bool:
+    tls = os.environ.get("UCX_TLS", "")
+    if not tls or tls.startswith("^"):
+        return True
+    return any(t in tls for t in ("rc", "dc", "ud", "ib", "all"))
+
+
+class NixlTransport(Transport):
+    backend = "nixl"
+
+    def __init__(self, agent_name: str, config: TransportConfig) -> None:
+        super().__init__(agent_name, config)
+        devices = rdma_devices()
+        if not config.allow_tcp:
+            if not devices:
+                raise tcp_refusal("NIXL/UCX", "no RDMA devices under /sys/class/infiniband")
+            if not _tls_allows_rdma():
+                raise tcp_refusal("NIXL/UCX", f"UCX_TLS={os.environ['UCX_TLS']} excludes the RDMA transports")
+        _prepare_environment(devices)
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self._devices = devices
+        self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+        self._reg: list[object] = []
+        self._mem: dict[str, str] = {}
+        self._backlog: list[tuple[str, bytes]] = []
+
+    def _register(self, regions: Sequence[Region]) -> None:
+        for kind in sorted({r.mem_kind for r in regions}):
+            chosen = [r for r in regions if r.mem_kind == kind]
+            descs = np.array([[r.base_addr, r.size_bytes, r.device_id] for r in chosen], dtype=np.uint64)
+            self._reg.append(self._agent.register_memory(descs, kind))
+        self._mem["local"] = regions[0].mem_kind if regions else "DRAM"
+
+    def _metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def _add_peer(self, agent_name: str, payload: bytes) -> None:
+        try:
+            loaded = self._agent.add_remote_agent(payload)
+        except Exception:
+            # A failed load can leave a half-loaded agent that blocks the next, valid load.
+            self._agent.remove_remote_agent(agent_name)
+            raise
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded != agent_name:
+            self._agent.remove_remote_agent(loaded)
+            raise TransferFailed(f"NIXL metadata names agent {loaded!r}, the frame says {agent_name!r}")
+
+    def _post(
+        self, xfer: Transfer, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, notif: bytes | None
+    ) -> None:
+        mem = self._mem.get("local", "DRAM")
+        zeros = np.zeros_like(lengths)
+        local_descs = np.stack([local, lengths, zeros], axis=1).astype(np.uint64)
+        remote_descs = np.stack([remote, lengths, zeros], axis=1).astype(np.uint64)
+        local_h = self._agent.prep_xfer_dlist(_LOCAL, local_descs, mem)
+        remote_h = self._agent.prep_xfer_dlist(xfer.peer, remote_descs, mem)
+        index = np.arange(lengths.size, dtype=np.int64)
+        try:
+            handle = self._agent.make_prepped_xfer(xfer.op, local_h, index, remote_h, index, notif_msg=notif or b"")
+        except Exception:
+            self._agent.release_dlist_handle(local_h)
+            self._agent.release_dlist_handle(remote_h)
+            raise
+        xfer.handle = (handle, local_h, remote_h)
+        if self._agent.transfer(handle) == "ERR":
+            raise TransferFailed(f"NIXL {xfer.op} of {xfer.what} with peer {xfer.peer}: posting returned ERR")
+
+    def _poll(self, xfer: Transfer) -> bool:
+        if xfer.handle is None:
+            raise TransferFailed(f"NIXL {xfer.op} of {xfer.what}: polled after release")
+        self._drain()
+        state = self._agent.check_xfer_state(xfer.handle[0])
+        if state == "ERR":
+            raise TransferFailed(f"NIXL {xfer.op} of {xfer.what} with peer {xfer.peer}: transfer state ERR")
+        return state == "DONE"
+
+    def _release(self, xfer: Transfer) -> None:
+        handle, local_h, remote_h = xfer.handle  # type: ignore[misc]
+        self._agent.release_xfer_handle(handle)
+        self._agent.release_dlist_handle(local_h)
+        self._agent.release_dlist_handle(remote_h)
+
+    def _drain(self) -> None:
+        for peer, messages in self._agent.get_new_notifs().items():
+            name = peer.decode() if isinstance(peer, bytes) else peer
+            self._backlog.extend((name, m) for m in messages)
+
+    def send_notif(self, peer: str, payload: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, payload)
+        except Exception as exc:
+            raise TransferFailed(f"NIXL notification to peer {peer} failed: {exc}") from exc
+
+    def notifs(self) -> list[tuple[str, bytes]]:
+        self._drain()
+        out, self._backlog = self._backlog, []
+        return out
+
+    def remove_peer(self, peer: str) -> None:
+        self._agent.remove_remote_agent(peer)
+        super().remove_peer(peer)
+
+    def info(self) -> TransportInfo:
+        tls = os.environ.get("UCX_TLS", "") or "all (UCX chooses)"
+        if self._devices and _tls_allows_rdma():
+            path = f"UCX RDMA over {', '.join(self._devices)} (UCX_TLS={tls})"
+        else:
+            path = f"UCX without RDMA: tcp between hosts, cma/shared memory within one (UCX_TLS={tls})"
+        return TransportInfo(
+            backend="nixl",
+            version=pkg_metadata.version("nixl"),
+            data_path=path,
+            rdma=bool(self._devices) and _tls_allows_rdma(),
+            rdma_devices=self._devices,
+            notes=("UCX_PROTO_INFO=y prints the protocol UCX picks per operation",),
+        )
+
+    def _close(self) -> None:
+        for reg in self._reg:
+            self._agent.deregister_memory(reg)
+        self._reg.clear()

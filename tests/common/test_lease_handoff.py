@@ -1,0 +1,63 @@
+import numpy as np
+import pytest
+
+from glm_pd_common.errors import LeaseExpired
+from glm_pd_common.handoff import Handoff, HandoffState
+from glm_pd_common.lease import LeaseTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_release_before_expiry_frees_pages():
+    clock = Clock()
+    table = LeaseTable(ttl_s=30, transfer_ttl_s=60, clock=clock)
+    table.grant("r1", np.array([3, 4]))
+    clock.now += 29
+    assert table.release("r1").tolist() == [3, 4]
+    assert len(table) == 0
+
+
+def test_claim_extends_and_expired_release_fails_but_pages_are_returned_by_expire():
+    clock = Clock()
+    table = LeaseTable(ttl_s=30, transfer_ttl_s=60, clock=clock)
+    table.grant("r1", np.array([1]))
+    clock.now += 20
+    table.claim("r1")
+    clock.now += 50  # past the grant ttl, inside the claim's transfer ttl
+    assert table.release("r1").tolist() == [1]
+    table.grant("r2", np.array([2]))
+    clock.now += 31
+    with pytest.raises(LeaseExpired, match="r2"):
+        table.release("r2")
+    with pytest.raises(LeaseExpired):
+        table.claim("r2")
+    assert [lease.request_id for lease in table.expire()] == ["r2"]
+    assert len(table) == 0
+
+
+def test_duplicate_grant_refused_and_drop_is_idempotent():
+    table = LeaseTable(ttl_s=1, transfer_ttl_s=1)
+    table.grant("r", np.array([1]))
+    with pytest.raises(ValueError, match="already holds"):
+        table.grant("r", np.array([2]))
+    assert table.drop("r").tolist() == [1]
+    assert table.drop("r") is None
+
+
+def test_handoff_transitions():
+    h = Handoff("r")
+    h.advance(HandoffState.WAITING_FOR_INPUT)
+    with pytest.raises(RuntimeError, match="illegal"):
+        h.advance(HandoffState.SUCCESS)
+    h.advance(HandoffState.TRANSFERRING)
+    h.advance(HandoffState.SUCCESS)
+    h.fail("late")
+    assert h.state is HandoffState.SUCCESS and h.reason is None
+    assert h.states == ["BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
+    assert int(HandoffState.TRANSFERRING) == 3
