@@ -1,0 +1,84 @@
+"""A passive loopback peer: a separate process with its own transport and GLM-5.3 caches.
+
+The transport tests and ``benchmarks/transport_bench.py`` drive it by JSON lines on stdin (add_peer,
+send_notif, check, notifs, exit); it answers JSON lines on stdout marked ``PEER``. Between commands it keeps
+calling ``notifs()`` so UCX progresses, as an engine's poll loop does. Optionally it also registers one flat
+buffer (``flat_bytes``) for single-run measurements. Run: ``python -m glm_pd_common.transport.peerproc JOB``.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import select
+import sys
+from typing import Any
+
+import numpy as np
+
+from glm_pd_common.geometry import ModelGeometry
+from glm_pd_common.hostmem import HostCaches
+from glm_pd_common.regions import Region
+from glm_pd_common.spec import CacheSpec
+from glm_pd_common.transport.base import Span, TransportConfig, create_transport
+from glm_pd_common.transport.flat import flat_region
+
+
+def say(obj: dict[str, Any]) -> None:
+    sys.stdout.write("PEER " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
+    caches = HostCaches(spec, page_tokens=job["page_tokens"], num_pages=job["num_pages"])
+    table = np.asarray(job["table"], dtype=np.int64)
+    if job["fill"]:
+        caches.write_tokens(table, 0, job["tokens"], seed=job["seed"])
+    config = TransportConfig(backend=job["backend"], allow_tcp=True, timeout_s=job.get("timeout_s", 20))
+    transport = create_transport("peer", config)
+    regions: list[Region] = list(caches.regions)
+    flat = None
+    if job.get("flat_bytes"):
+        flat = np.ones(job["flat_bytes"], dtype=np.uint8)
+        regions.append(flat_region(flat))
+    transport.register(regions)
+    say(
+        {
+            "metadata": base64.b64encode(transport.metadata()).decode(),
+            "regions": [[r.kind, r.layer_id, r.base_addr, r.size_bytes] for r in regions],
+            "info": dataclasses.asdict(transport.info()),
+        }
+    )
+    got = []
+    while True:
+        got.extend(transport.notifs())
+        ready, _, _ = select.select([sys.stdin], [], [], 0.001)
+        if not ready:
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
+        cmd = json.loads(line)
+        if "add_peer" in cmd:
+            spans = [Span(f"{k}[{lay}]", base, size) for k, lay, base, size in cmd["spans"]]
+            name = transport.add_peer(base64.b64decode(cmd["add_peer"]), spans)
+            say({"added": name})
+        elif "send_notif" in cmd:
+            transport.send_notif(cmd["send_notif"], base64.b64decode(cmd["payload"]))
+            say({"sent": True})
+        elif "check" in cmd:
+            say({"mismatched": caches.mismatched_tokens(table, cmd["start"], cmd["end"], seed=job["seed"])})
+        elif "notifs" in cmd:
+            got.extend(transport.notifs())
+            say({"notifs": [[p, base64.b64encode(m).decode()] for p, m in got]})
+        elif "exit" in cmd:
+            break
+    transport.close()
+    say({"closed": True})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Smoke tests of ``glm-pd demo``: two real processes, a real transport, every decode byte checked."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from glm_pd_common.demo_peers import MISMATCHES
+
+
+def demo(*args, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "glm_pd_common.cli", "demo", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    ("transport", "p", "d", "allocator"),
+    [("nixl", 64, 64, "shuffled"), ("nixl", 64, 32, "contiguous"), ("mooncake", 16, 64, "shuffled")],
+)
+def test_demo_hands_off_and_verifies(transport, p, d, allocator):
+    proc = demo(
+        "--allow-tcp",
+        "--json",
+        "--tokens",
+        "2000",
+        "--prefix-tokens",
+        "512",
+        "--transport",
+        transport,
+        "--prefill-page-tokens",
+        str(p),
+        "--decode-page-tokens",
+        str(d),
+        "--allocator",
+        allocator,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert out["ok"] is True
+    assert out["transport"] == transport and out["tokens"] == 2000 and out["prefix_tokens"] == 512
+    assert out["states"] == ["BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
+    assert out["bytes"]["total"] == out["bytes"]["main"] + out["bytes"]["indexer"] > 0
+    assert out["bytes"]["indexer"] > 0  # the indexer travelled, in its own regions
+    assert out["regions"] == 101 and out["prefill_leases_left"] == 0
+    for key in ("pages", "runs", "seconds", "gbps", "memcpy_gbps"):
+        assert key in out
+
+
+@pytest.mark.parametrize("field", sorted(MISMATCHES))
+def test_mismatch_is_refused_naming_the_field(field):
+    proc = demo("--allow-tcp", "--tokens", "512", "--prefix-tokens", "0", "--mismatch", field)
+    assert proc.returncode != 0
+    assert f"{field}: prefill=" in proc.stderr
+
+
+def test_demo_refuses_tcp_unless_allowed():
+    proc = demo("--tokens", "512", "--prefix-tokens", "0")
+    assert proc.returncode != 0
+    assert "would move KV over TCP" in proc.stderr and "--allow-tcp" in proc.stderr
+
+
+def test_million_tokens_refused_where_memory_is_short():
+    proc = demo("--allow-tcp", "--tokens", "1M")
+    assert proc.returncode == 2
+    assert "of host memory" in proc.stderr and "available" in proc.stderr
