@@ -1,4 +1,4 @@
-"""``glm-pd`` command line: plan (the capacity account), demo (a real loopback handoff)."""
+"""``glm-pd`` command line: plan (the capacity account), demo (a real loopback handoff), doctor."""
 
 from __future__ import annotations
 
@@ -95,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
     from glm_pd_common.demo import add_parser as add_demo
+    from glm_pd_common.doctor import add_parser as add_doctor
 
     add_demo(sub)
+    add_doctor(sub)
     return parser
 
 

@@ -131,7 +131,12 @@ def run_prefill(job: dict[str, Any]) -> int:
                 ident, msg = server.recv(timeout_s=0.001)
             except GlmPdError:
                 continue
-            if isinstance(msg, protocol.Hello):
+            if isinstance(msg, protocol.Query):
+                server.send(
+                    ident,
+                    make_hello("prefill-0", spec, shape, caches.regions, job["transport"], transport.agent_name, b""),
+                )
+            elif isinstance(msg, protocol.Hello):
                 try:
                     peer = accept_hello(spec, msg, backend=job["transport"], role="decode", local_role="prefill")
                 except GlmPdError as exc:

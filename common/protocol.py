@@ -1,8 +1,8 @@
 """Versioned wire messages between peers (msgspec msgpack, tagged by ``type``).
 
 Version history:
-- 1: hello, transfer request (decode's claim on a lease), claimed, done, released, failed, abort,
-  heartbeat, digest query/reply.
+- 1: hello, query (a hello without joining: what ``glm-pd doctor --peer`` sends), transfer request
+  (decode's claim on a lease), claimed, done, released, failed, abort, heartbeat, digest query/reply.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -44,6 +44,12 @@ class Hello(_Base, tag="hello"):
     transport: str
     agent_name: str
     agent_metadata: bytes
+
+
+class Query(_Base, tag="query"):
+    """Ask a peer for its hello without becoming its peer (no transport metadata is loaded)."""
+
+    engine_id: str
 
 
 class TransferRequest(_Base, tag="transfer"):
@@ -104,7 +110,9 @@ class PageDigests(_Base, tag="page_digests"):
     pages: dict[int, list[int]]
 
 
-Message = Union[Hello, TransferRequest, Claimed, Released, Done, Failed, Abort, Heartbeat, DigestQuery, PageDigests]
+Message = Union[
+    Hello, Query, TransferRequest, Claimed, Released, Done, Failed, Abort, Heartbeat, DigestQuery, PageDigests
+]
 
 
 class _Header(msgspec.Struct):

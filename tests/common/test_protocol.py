@@ -38,6 +38,7 @@ def _hello():
         proto.Done(v=V, request_id="r", num_bytes=5, digests=[1, 2]),
         proto.Claimed(v=V, request_id="r", lease_s=30.0, num_bytes=5, digests=None),
         proto.Released(v=V, request_id="r"),
+        proto.Query(v=V, engine_id="doctor"),
         proto.Failed(v=V, request_id="r", reason="x"),
         proto.Abort(v=V, request_id="r", reason="x"),
         proto.Heartbeat(v=V, engine_id="e", seq=3),

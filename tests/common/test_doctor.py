@@ -1,0 +1,98 @@
+"""``glm-pd doctor`` against this machine (no RDMA, no GPU) and against a live demo prefill peer."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from glm_pd_common.demo_peers import MARK
+from glm_pd_common.doctor import check_ucx_path, parse_proto_info
+from glm_pd_common.transport.base import rdma_devices
+
+
+def doctor(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "glm_pd_common.cli", "doctor", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.skipif(bool(rdma_devices()), reason="this host has RDMA devices")
+def test_doctor_fails_without_rdma_and_says_how_to_fix():
+    proc = doctor("--skip-probe")
+    assert proc.returncode == 1
+    checks = {c["name"]: c for c in json.loads(proc.stdout)}
+    assert checks["nixl"]["status"] == "PASS"
+    assert checks["rdma devices"]["status"] == "FAIL" and "allow_tcp" in checks["rdma devices"]["fix"]
+
+
+def test_ucx_probe_observes_the_real_data_path():
+    (check,) = check_ucx_path()
+    assert "for READs" in check.detail
+    assert "cma/memory" in check.detail or "tcp/" in check.detail or "rc" in check.detail
+
+
+def test_parse_proto_info_groups_transports_by_operation():
+    text = "\n".join(
+        [
+            "[1] [vm:1:0]   | A self cfg#0                                             |",
+            "[1] [vm:1:0]   | remote memory read by ucp_get* from host memory to host |",
+            "[1] [vm:1:0]   | 0..inf | zero-copy   | cma/memory                        |",
+            "[1] [vm:1:0]   | active message by ucp_am_send* from host memory |",
+            "[1] [vm:1:0]   |   1..16515 | zero-copy          | tcp/lo        |",
+            "[1] [vm:1:0]   |   0 | short | rc_mlx5/mlx5_0:1 |",
+        ]
+    )
+    ops = parse_proto_info(text)
+    assert ops["remote memory read by ucp_get* from host memory to host"] == ["cma/memory"]
+    assert ops["active message by ucp_am_send* from host memory"] == ["rc_mlx5/mlx5_0:1", "tcp/lo"]
+
+
+@pytest.fixture
+def prefill_peer():
+    job = {
+        "preset": "glm-5.3",
+        "kv_cache_dtype": "fp8_ds_mla",
+        "scale_format": "fp32",
+        "tokens": 256,
+        "prefix_tokens": 0,
+        "prefill_page_tokens": 64,
+        "decode_page_tokens": 64,
+        "allocator": "contiguous",
+        "transport": "nixl",
+        "allow_tcp": True,
+        "mismatch": None,
+        "verify": False,
+        "timeout_s": 20,
+        "lease_s": 20,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glm_pd_common.demo_peers", "prefill"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdin.write(json.dumps(job) + "\n")
+    proc.stdin.close()
+    ready = next(json.loads(ln[len(MARK) :]) for ln in proc.stdout if ln.startswith(MARK))
+    yield f"127.0.0.1:{ready['port']}"
+    proc.kill()
+    proc.wait()
+
+
+def test_doctor_peer_matches_and_mismatches(prefill_peer):
+    same = {c["name"]: c for c in json.loads(doctor("--skip-probe", "--peer", prefill_peer).stdout)}
+    assert same["peer fingerprint"]["status"] == "PASS"
+    other = json.loads(doctor("--skip-probe", "--peer", prefill_peer, "--kv-cache-dtype", "bf16").stdout)
+    bad = {c["name"]: c["detail"] for c in other if c["name"].startswith("peer fingerprint ")}
+    assert bad["peer fingerprint main_row_bytes"] == "this node 1152, prefill-0 656"
+    assert "peer fingerprint cache_dtype" in bad
+
+
+def test_doctor_peer_unreachable_fails_bounded():
+    checks = json.loads(doctor("--skip-probe", "--peer", "127.0.0.1:1").stdout)
+    peer = next(c for c in checks if c["name"] == "peer")
+    assert peer["status"] == "FAIL" and "no answer" in peer["detail"]
