@@ -59,7 +59,7 @@ def page_digests(plan: TransferPlan, entry_index: int, side: str) -> list[int]:
         src_stride=entry.src.page_stride,
         dst_stride=entry.dst.page_stride,
     )
-    base = entry.src.base_addr if side == "src" else entry.dst.base_addr
+    base, _ = _side(entry, side)
     offsets = src if side == "src" else dst
     segments = len(fmt.segment_bytes_per_token)
     page_of_run = np.tile(chunks.dst_page_index, segments)

@@ -208,6 +208,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-tcp", action="store_true", help="accept a data path without RDMA (this box has none)")
     p.add_argument("--mismatch", choices=sorted(MISMATCHES), help="make prefill differ in one fingerprint field")
     p.add_argument("--no-verify", action="store_true", help="skip the per-region digest check")
+    p.add_argument(
+        "--inject-corruption",
+        action="store_true",
+        help="fault injection: flip one decode byte after the transfer, to see the check name the page",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait, seconds")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_cli)
@@ -229,6 +234,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         "verify": not args.no_verify,
         "timeout_s": args.timeout,
         "lease_s": args.timeout,
+        "inject_corruption": args.inject_corruption,
     }
     check_job(job)
     summary = summarize(job, run(job))

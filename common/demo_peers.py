@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from glm_pd_common import protocol
-from glm_pd_common.checksum import plan_digests, verify
+from glm_pd_common.checksum import mismatched_regions, page_digests, plan_digests, verify
 from glm_pd_common.errors import GlmPdError
 from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape
 from glm_pd_common.geometry import ModelGeometry
@@ -26,7 +26,7 @@ from glm_pd_common.hostmem import HostCaches
 from glm_pd_common.lease import LeaseTable
 from glm_pd_common.pages import num_pages_for, suffix_pages
 from glm_pd_common.peer import accept_hello, make_hello
-from glm_pd_common.plan import build_plan
+from glm_pd_common.plan import TransferPlan, build_plan
 from glm_pd_common.sidechannel import SideChannelClient, SideChannelServer
 from glm_pd_common.spec import CacheSpec
 from glm_pd_common.transport.base import TransportConfig, create_transport
@@ -157,6 +157,20 @@ def run_prefill(job: dict[str, Any]) -> int:
                         transport.metadata(),
                     ),
                 )
+            elif isinstance(msg, protocol.Abort) and ident == decode_id:
+                leases.drop(msg.request_id)
+                outcome = "aborted"
+                break
+            elif isinstance(msg, protocol.DigestQuery) and ident == decode_id and plan is not None:
+                wanted = [i for i in msg.region_indices if 0 <= i < len(plan.entries)][:8]
+                server.send(
+                    ident,
+                    protocol.PageDigests(
+                        v=PROTOCOL_VERSION,
+                        request_id=msg.request_id,
+                        pages={i: page_digests(plan, i, "src") for i in wanted},
+                    ),
+                )
             elif isinstance(msg, protocol.TransferRequest) and ident == decode_id:
                 try:
                     lease = leases.claim(msg.request_id)
@@ -200,7 +214,7 @@ def run_prefill(job: dict[str, Any]) -> int:
         )
         transport.close()
         server.close()
-    return 0 if outcome in ("released", "refused") else 1
+    return 0 if outcome in ("released", "refused", "aborted") else 1
 
 
 def memcpy_gbps(num_bytes: int) -> float:
@@ -214,6 +228,17 @@ def memcpy_gbps(num_bytes: int) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return n / best / 1e9
+
+
+def _verify_naming_page(client: SideChannelClient, plan: TransferPlan, digests: list[int], timeout: float) -> None:
+    """Check region digests; on a mismatch, fetch prefill's page digests of those regions to name the page."""
+    bad = mismatched_regions(plan, digests)
+    if not bad:
+        return
+    client.send(protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=REQUEST_ID, region_indices=bad))
+    reply = client.recv(timeout)
+    pages = reply.pages if isinstance(reply, protocol.PageDigests) else None
+    verify(plan, digests, remote_pages=pages)
 
 
 def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
@@ -277,8 +302,11 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
             transport.wait(xfer, timeout)
             transport.release(xfer)
         seconds = time.perf_counter() - t0
+        if job.get("inject_corruption"):
+            last = plan.entries[-1]  # the MTP layer's indexer: the cache a silent bug would lose first
+            caches.buffers[last.dst.key][int(plan.dst_pages[-1]), -1] ^= 0xFF
         if claim.digests is not None:
-            verify(plan, claim.digests)
+            _verify_naming_page(client, plan, claim.digests, timeout)
         transport.send_notif(
             agent, protocol.encode(protocol.Done(v=PROTOCOL_VERSION, request_id=REQUEST_ID, num_bytes=plan.num_bytes))
         )
@@ -308,6 +336,8 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
     except GlmPdError as exc:
         handoff.fail(str(exc))
         result["error"] = str(exc)
+        # Tell prefill, so it frees the pages now instead of at lease expiry.
+        client.send(protocol.Abort(v=PROTOCOL_VERSION, request_id=REQUEST_ID, reason=str(exc)[:500]))
     finally:
         result["states"] = handoff.states
         result["transport"] = dataclasses.asdict(transport.info())

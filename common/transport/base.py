@@ -12,7 +12,7 @@ import abc
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
@@ -75,7 +75,6 @@ class Transfer:
     num_bytes: int
     what: str
     handle: object = None
-    started_at: float = field(default_factory=time.monotonic)
 
 
 class _Blob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -57,7 +57,12 @@ class NixlTransport(Transport):
         from nixl._api import nixl_agent, nixl_agent_config
 
         self._devices = devices
-        self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+        if config.devices:
+            # The config class cannot pass UCX init params: create the backend by hand with the device list.
+            self._agent = nixl_agent(agent_name, nixl_agent_config(backends=[], enable_prog_thread=False))
+            self._agent.create_backend("UCX", {"ucx_devices": config.devices})
+        else:
+            self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
         self._reg: list[object] = []
         self._mem: dict[str, str] = {}
         self._backlog: list[tuple[str, bytes]] = []

@@ -65,3 +65,12 @@ def test_million_tokens_refused_where_memory_is_short():
     proc = demo("--allow-tcp", "--tokens", "1M")
     assert proc.returncode == 2
     assert "of host memory" in proc.stderr and "available" in proc.stderr
+
+
+def test_corruption_is_caught_naming_layer_kind_and_page_and_prefill_frees():
+    proc = demo("--allow-tcp", "--json", "--tokens", "1000", "--prefix-tokens", "0", "--inject-corruption")
+    assert proc.returncode == 1
+    out = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert out["ok"] is False and out["states"][-1] == "FAILED"
+    assert "checksum mismatch in layer 78 indexer region, destination page" in out["error"]
+    assert out["prefill_outcome"] == "aborted" and out["prefill_leases_left"] == 0
