@@ -1,8 +1,9 @@
 """The two processes of ``glm-pd demo``: a prefill rank and a decode rank on 127.0.0.1.
 
-Each walks the same core path the engine adapters use: regions from the spec, transport registration,
-hello/fingerprint handshake, suffix pages, plan, lease claim, layer-by-layer pull, digest check, release
-confirmation. Run as ``python -m glm_pd_common.demo_peers prefill|decode`` with a JSON job on stdin;
+Each runs the same engine-free services the engine adapters run (``PrefillService``, ``DecodeService``):
+regions from the spec, transport registration, hello/fingerprint handshake, suffix pages, plan, lease
+claim, layer-by-layer pull, digest check, release confirmation.
+Run as ``python -m glm_pd_common.demo_peers prefill|decode`` with a JSON job on stdin;
 each prints its report as JSON lines marked ``GLMPD`` on stdout.
 """
 
@@ -10,24 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from glm_pd_common import protocol
-from glm_pd_common.checksum import mismatched_regions, page_digests, plan_digests, verify
+from glm_pd_common.decode_service import DecodeService, LoadJob, LoadResult, RemotePrefill
 from glm_pd_common.errors import GlmPdError
-from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape
+from glm_pd_common.fingerprint import PeerShape
 from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.handoff import Handoff, HandoffState
 from glm_pd_common.hostmem import HostCaches
-from glm_pd_common.lease import LeaseTable
-from glm_pd_common.pages import num_pages_for, suffix_pages
-from glm_pd_common.peer import accept_hello, make_hello
-from glm_pd_common.plan import TransferPlan, build_plan
-from glm_pd_common.sidechannel import SideChannelClient, SideChannelServer
+from glm_pd_common.pages import num_pages_for
+from glm_pd_common.prefill_service import PrefillService
 from glm_pd_common.spec import CacheSpec
 from glm_pd_common.transport.base import TransportConfig, create_transport
 
@@ -89,132 +86,46 @@ def _emit(obj: dict[str, Any]) -> None:
 
 def run_prefill(job: dict[str, Any]) -> int:
     spec = job_spec(job, "prefill")
-    p_pt = job["prefill_page_tokens"]
-    caches, table = _caches(spec, job, p_pt, seed=1)
+    caches, table = _caches(spec, job, job["prefill_page_tokens"], seed=1)
     caches.write_tokens(table, 0, job["tokens"], seed=SEED)
     transport = _transport(job, "prefill-0")
     transport.register(caches.regions)
-    server = SideChannelServer("127.0.0.1")
-    leases = LeaseTable(ttl_s=job["lease_s"], transfer_ttl_s=job["timeout_s"])
-    leases.grant(REQUEST_ID, table)
+    service = PrefillService(
+        "prefill-0",
+        spec,
+        caches.regions,
+        transport,
+        PeerShape(job["prefill_page_tokens"], 1, 0),
+        host="127.0.0.1",
+        port=0,
+        lease_s=job["lease_s"],
+        timeout_s=job["timeout_s"],
+    )
+    service.grant(REQUEST_ID, table)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
     # What vLLM's request_finished hands the router: enough for decode to find us and plan the pull.
     _emit(
         {
             "ready": True,
-            "port": server.port,
+            "port": service.port,
             "request_id": REQUEST_ID,
             "num_tokens": job["tokens"],
             "page_table": table.tolist(),
             "engine_id": "prefill-0",
         }
     )
-    shape = PeerShape(p_pt, 1, 0)
-    deadline = time.monotonic() + job["timeout_s"]
-    decode_id, plan, outcome = None, None, "timeout"
+    outcome = "timeout"
+    deadline = time.monotonic() + job["lease_s"] + job["timeout_s"]
     try:
-        while time.monotonic() < deadline:
-            for _, payload in transport.notifs():
-                msg = protocol.decode(payload)
-                if isinstance(msg, protocol.Done) and msg.request_id == REQUEST_ID and decode_id is not None:
-                    try:
-                        leases.release(REQUEST_ID)
-                        server.send(decode_id, protocol.Released(v=PROTOCOL_VERSION, request_id=REQUEST_ID))
-                        outcome = "released"
-                    except GlmPdError as exc:
-                        server.send(
-                            decode_id, protocol.Failed(v=PROTOCOL_VERSION, request_id=REQUEST_ID, reason=str(exc))
-                        )
-                        outcome = "lease expired"
-            if outcome != "timeout":
-                break
-            try:
-                ident, msg = server.recv(timeout_s=0.001)
-            except GlmPdError:
-                continue
-            if isinstance(msg, protocol.Query):
-                server.send(
-                    ident,
-                    make_hello("prefill-0", spec, shape, caches.regions, job["transport"], transport.agent_name, b""),
-                )
-            elif isinstance(msg, protocol.Hello):
-                try:
-                    peer = accept_hello(spec, msg, backend=job["transport"], role="decode", local_role="prefill")
-                except GlmPdError as exc:
-                    server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id="", reason=str(exc)))
-                    outcome = "refused"
-                    break
-                transport.add_peer(peer.agent_metadata, peer.spans)
-                decode_id, decode_peer = ident, peer
-                server.send(
-                    ident,
-                    make_hello(
-                        "prefill-0",
-                        spec,
-                        shape,
-                        caches.regions,
-                        job["transport"],
-                        transport.agent_name,
-                        transport.metadata(),
-                    ),
-                )
-            elif isinstance(msg, protocol.Abort) and ident == decode_id:
-                leases.drop(msg.request_id)
-                outcome = "aborted"
-                break
-            elif isinstance(msg, protocol.DigestQuery) and ident == decode_id and plan is not None:
-                wanted = [i for i in msg.region_indices if 0 <= i < len(plan.entries)][:8]
-                server.send(
-                    ident,
-                    protocol.PageDigests(
-                        v=PROTOCOL_VERSION,
-                        request_id=msg.request_id,
-                        pages={i: page_digests(plan, i, "src") for i in wanted},
-                    ),
-                )
-            elif isinstance(msg, protocol.TransferRequest) and ident == decode_id:
-                try:
-                    lease = leases.claim(msg.request_id)
-                    own = suffix_pages(
-                        lease.pages, msg.num_tokens, msg.prefix_tokens, p_pt, align_tokens=decode_peer.shape.page_tokens
-                    )
-                    if not np.array_equal(own, np.asarray(msg.src_pages)):
-                        raise GlmPdError("decode's source pages are not the pages this request holds")
-                    plan = build_plan(
-                        caches.regions,
-                        decode_peer.regions,
-                        own,
-                        np.asarray(msg.dst_pages),
-                        num_tokens=msg.num_tokens,
-                        prefix_tokens=msg.prefix_tokens,
-                    )
-                    digests = plan_digests(plan, "src") if msg.verify else None
-                    server.send(
-                        ident,
-                        protocol.Claimed(
-                            v=PROTOCOL_VERSION,
-                            request_id=msg.request_id,
-                            lease_s=job["timeout_s"],
-                            num_bytes=plan.num_bytes,
-                            digests=digests,
-                        ),
-                    )
-                except GlmPdError as exc:
-                    server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=msg.request_id, reason=str(exc)))
-                    leases.drop(msg.request_id)
-                    outcome = "failed"
-                    break
+        while time.monotonic() < deadline and outcome == "timeout":
+            for done in service.finished():
+                outcome = done.outcome
+            time.sleep(0.005)
     finally:
-        _emit(
-            {
-                "role": "prefill",
-                "outcome": outcome,
-                "leases_left": len(leases),
-                "transport": dataclasses.asdict(transport.info()),
-            }
-        )
+        service.close()
+        _emit({"role": "prefill", "outcome": outcome, "transport": dataclasses.asdict(transport.info())})
         transport.close()
-        server.close()
-    return 0 if outcome in ("released", "refused", "aborted") else 1
+    return 0 if outcome in ("released", "aborted") else 1
 
 
 def memcpy_gbps(num_bytes: int) -> float:
@@ -230,121 +141,68 @@ def memcpy_gbps(num_bytes: int) -> float:
     return n / best / 1e9
 
 
-def _verify_naming_page(client: SideChannelClient, plan: TransferPlan, digests: list[int], timeout: float) -> None:
-    """Check region digests; on a mismatch, fetch prefill's page digests of those regions to name the page."""
-    bad = mismatched_regions(plan, digests)
-    if not bad:
-        return
-    client.send(protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=REQUEST_ID, region_indices=bad))
-    reply = client.recv(timeout)
-    pages = reply.pages if isinstance(reply, protocol.PageDigests) else None
-    verify(plan, digests, remote_pages=pages)
-
-
 def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
-    handoff = Handoff(REQUEST_ID)
-    result: dict[str, Any] = {"role": "decode", "ok": False}
     spec = job_spec(job, "decode")
     d_pt, n, prefix = job["decode_page_tokens"], params["num_tokens"], job["prefix_tokens"]
     caches, table = _caches(spec, job, d_pt, seed=2)
     caches.write_tokens(table, 0, prefix, seed=SEED)  # the prefix-cache hit decode already holds
     transport = _transport(job, "decode-0")
     transport.register(caches.regions)
-    client = SideChannelClient("127.0.0.1", params["port"])
-    timeout = job["timeout_s"]
-    try:
-        client.send(
-            make_hello(
-                "decode-0",
-                spec,
-                PeerShape(d_pt, 1, 0),
-                caches.regions,
-                job["transport"],
-                transport.agent_name,
-                transport.metadata(),
-            )
+    service = DecodeService(
+        "decode-0",
+        spec,
+        caches.regions,
+        transport,
+        PeerShape(d_pt, 1, 0),
+        timeout_s=job["timeout_s"],
+        verify_digests=job["verify"],
+    )
+    remote = RemotePrefill(params["engine_id"], "127.0.0.1", params["port"], 1)
+    service.submit(
+        LoadJob(
+            REQUEST_ID,
+            remote,
+            np.asarray(params["page_table"]),
+            table,
+            n,
+            prefix,
+            fault="corrupt" if job.get("inject_corruption") else "",
         )
-        reply = client.recv(timeout)
-        if isinstance(reply, protocol.Failed):
-            raise GlmPdError(f"prefill refused the handshake: {reply.reason}")
-        assert isinstance(reply, protocol.Hello)
-        peer = accept_hello(spec, reply, backend=job["transport"], role="prefill", local_role="decode")
-        agent = transport.add_peer(peer.agent_metadata, peer.spans)
-        handoff.advance(HandoffState.WAITING_FOR_INPUT)
-
-        p_pt = peer.shape.page_tokens
-        src = suffix_pages(np.asarray(params["page_table"]), n, prefix, p_pt, align_tokens=d_pt)
-        dst = suffix_pages(table, n, prefix, d_pt, align_tokens=d_pt)
-        t0 = time.perf_counter()
-        plan = build_plan(peer.regions, caches.regions, src, dst, num_tokens=n, prefix_tokens=prefix)
-        plan_ms = (time.perf_counter() - t0) * 1e3
-        client.send(
-            protocol.TransferRequest(
-                v=PROTOCOL_VERSION,
-                request_id=REQUEST_ID,
-                num_tokens=n,
-                prefix_tokens=prefix,
-                src_pages=src.tolist(),
-                dst_pages=dst.tolist(),
-                dst_engine_id="decode-0",
-                verify=job["verify"],
-            )
-        )
-        claim = client.recv(timeout)
-        if isinstance(claim, protocol.Failed):
-            raise GlmPdError(f"prefill refused the transfer: {claim.reason}")
-        assert isinstance(claim, protocol.Claimed)
-
-        handoff.advance(HandoffState.TRANSFERRING)
-        t0 = time.perf_counter()
-        posted = [transport.post_plan(agent, plan, "READ", entries=entries) for _, entries in plan.layers()]
-        for xfer in posted:
-            transport.wait(xfer, timeout)
-            transport.release(xfer)
-        seconds = time.perf_counter() - t0
-        if job.get("inject_corruption"):
-            last = plan.entries[-1]  # the MTP layer's indexer: the cache a silent bug would lose first
-            caches.buffers[last.dst.key][int(plan.dst_pages[-1]), -1] ^= 0xFF
-        if claim.digests is not None:
-            _verify_naming_page(client, plan, claim.digests, timeout)
-        transport.send_notif(
-            agent, protocol.encode(protocol.Done(v=PROTOCOL_VERSION, request_id=REQUEST_ID, num_bytes=plan.num_bytes))
-        )
-        confirm = client.recv(timeout)
-        if not isinstance(confirm, protocol.Released):
-            raise GlmPdError(f"prefill did not confirm the pages were held: {getattr(confirm, 'reason', confirm)}")
+    )
+    deadline = time.monotonic() + 4 * job["timeout_s"]
+    results = []
+    while not results and time.monotonic() < deadline:
+        results = service.results()
+        time.sleep(0.005)
+    service.close()
+    load = results[0] if results else LoadResult(REQUEST_ID, False, "no result within the time bound")
+    report: dict[str, Any] = {"role": "decode", "ok": load.ok, "states": load.states}
+    if load.ok:
         bad = caches.mismatched_tokens(table, 0, n, seed=SEED)
+        report["ok"] = not bad
         if bad:
-            raise GlmPdError("decode pages differ from prefill's tokens: " + "; ".join(bad[:5]))
-        handoff.advance(HandoffState.SUCCESS)
-        by_kind = plan.bytes_by_kind()
-        result.update(
-            ok=True,
-            seconds=seconds,
-            gbps=plan.num_bytes / seconds / 1e9,
-            memcpy_gbps=memcpy_gbps(plan.num_bytes),
-            bytes={**by_kind, "total": plan.num_bytes},
-            runs=plan.num_runs,
-            runs_by_kind=plan.runs_by_kind(),
-            pages={"prefill": int(src.size), "decode": int(dst.size)},
-            posted_batches=len(posted),
-            regions=len(plan.entries),
-            plan_ms=plan_ms,
-            verified_digests=claim.digests is not None,
+            report["error"] = "decode pages differ from prefill's tokens: " + "; ".join(bad[:5])
+        total = sum(load.bytes_by_kind.values())
+        report.update(
+            seconds=load.seconds,
+            gbps=total / load.seconds / 1e9,
+            memcpy_gbps=memcpy_gbps(total),
+            bytes={**load.bytes_by_kind, "total": total},
+            runs=load.runs,
+            runs_by_kind=load.runs_by_kind,
+            pages=load.pages,
+            posted_batches=load.batches,
+            regions=len(caches.regions),
+            plan_ms=load.plan_ms,
+            verified_digests=job["verify"],
             prefix_bytes_kept=sum(r.page_format.bytes_per_token for r in caches.regions) * prefix,
         )
-    except GlmPdError as exc:
-        handoff.fail(str(exc))
-        result["error"] = str(exc)
-        # Tell prefill, so it frees the pages now instead of at lease expiry.
-        client.send(protocol.Abort(v=PROTOCOL_VERSION, request_id=REQUEST_ID, reason=str(exc)[:500]))
-    finally:
-        result["states"] = handoff.states
-        result["transport"] = dataclasses.asdict(transport.info())
-        _emit(result)
-        transport.close()
-        client.close()
-    return 0 if result["ok"] else 1
+    else:
+        report["error"] = load.reason
+    report["transport"] = dataclasses.asdict(transport.info())
+    _emit(report)
+    transport.close()
+    return 0 if report["ok"] else 1
 
 
 def main() -> int:

@@ -23,6 +23,8 @@ class Lease:
     pages: np.ndarray
     expires_at: float
     claimed: bool = False
+    releases_left: int = 1  # decode ranks that still have to confirm (TP fan-out)
+    expectation_set: bool = False
 
 
 class LeaseTable:
@@ -37,13 +39,23 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, request_id: str, pages: np.ndarray) -> float:
-        """Hold ``pages`` for ``request_id``; returns the expiry time. A duplicate id is refused."""
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._leases
+
+    def grant(self, request_id: str, pages: np.ndarray, releases: int = 1) -> float:
+        """Hold ``pages`` for ``request_id`` until ``releases`` confirmations; returns the expiry time.
+        A duplicate id is refused."""
         if request_id in self._leases:
             raise ValueError(f"request {request_id} already holds a lease")
-        lease = Lease(request_id, np.asarray(pages, dtype=np.int64), self._clock() + self.ttl_s)
+        lease = Lease(request_id, np.asarray(pages, dtype=np.int64), self._clock() + self.ttl_s, releases_left=releases)
         self._leases[request_id] = lease
         return lease.expires_at
+
+    def expect(self, request_id: str, releases: int) -> None:
+        """Set how many decode ranks will confirm, once (the first decode rank to speak knows the TP shape)."""
+        lease = self._leases.get(request_id)
+        if lease is not None and not lease.expectation_set:
+            lease.releases_left, lease.expectation_set = releases, True
 
     def claim(self, request_id: str) -> Lease:
         """Decode is about to read: extend the hold to cover the transfer, or refuse an expired lease."""
@@ -52,9 +64,13 @@ class LeaseTable:
         lease.expires_at = max(lease.expires_at, self._clock() + self.transfer_ttl_s)
         return lease
 
-    def release(self, request_id: str) -> np.ndarray:
-        """Decode confirms its read: free the pages; raises ``LeaseExpired`` if they were not held to now."""
+    def release(self, request_id: str) -> np.ndarray | None:
+        """A decode rank confirms its read; raises ``LeaseExpired`` if the pages were not held to now.
+        Returns the pages once the last expected confirmation arrives (the caller frees them), else None."""
         lease = self._live(request_id)
+        lease.releases_left -= 1
+        if lease.releases_left > 0:
+            return None
         del self._leases[request_id]
         return lease.pages
 

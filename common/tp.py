@@ -41,3 +41,16 @@ def decode_ranks_served(prefill_rank: int, prefill_tp: int, decode_tp: int) -> l
     if not 0 <= prefill_rank < prefill_tp:
         raise ConfigError(f"prefill_rank {prefill_rank} is outside 0..{prefill_tp - 1}")
     return np.flatnonzero(source_ranks(prefill_tp, decode_tp) == prefill_rank).tolist()
+
+
+def release_group(decode_rank: int, prefill_tp: int, decode_tp: int) -> list[int]:
+    """Prefill ranks whose leases ``decode_rank`` releases: its source, plus, when decode has fewer ranks,
+    the dummies of its group (they hold the same blocks and free them only on this release)."""
+    first = source_rank(decode_rank, prefill_tp, decode_tp)
+    width = max(prefill_tp // decode_tp, 1)
+    return list(range(first, first + width))
+
+
+def expected_releases(prefill_rank: int, prefill_tp: int, decode_tp: int) -> int:
+    """How many decode ranks release a lease held by ``prefill_rank`` before it may free the blocks."""
+    return sum(prefill_rank in release_group(d, prefill_tp, decode_tp) for d in range(decode_tp))

@@ -61,3 +61,12 @@ def test_handoff_transitions():
     assert h.state is HandoffState.SUCCESS and h.reason is None
     assert h.states == ["BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
     assert int(HandoffState.TRANSFERRING) == 3
+
+
+def test_lease_waits_for_every_expected_release():
+    table = LeaseTable(ttl_s=30, transfer_ttl_s=30)
+    table.grant("r", np.array([7]), releases=2)
+    assert table.release("r") is None
+    assert "r" in table
+    assert table.release("r").tolist() == [7]
+    assert "r" not in table

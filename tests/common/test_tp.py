@@ -4,7 +4,14 @@ from collections import Counter
 import pytest
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.tp import SUPPORTED_TP, decode_ranks_served, source_rank, source_ranks
+from glm_pd_common.tp import (
+    SUPPORTED_TP,
+    decode_ranks_served,
+    expected_releases,
+    release_group,
+    source_rank,
+    source_ranks,
+)
 
 
 @pytest.mark.parametrize(("p", "d"), list(itertools.product(SUPPORTED_TP, SUPPORTED_TP)))
@@ -33,3 +40,13 @@ def test_bad_tp_is_refused():
         source_ranks(3, 2)
     with pytest.raises(ConfigError, match="decode_rank"):
         source_rank(4, 2, 4)
+
+
+@pytest.mark.parametrize(("p", "d"), list(itertools.product(SUPPORTED_TP, SUPPORTED_TP)))
+def test_release_groups_cover_every_prefill_rank(p, d):
+    groups = [release_group(r, p, d) for r in range(d)]
+    assert all(source_rank(r, p, d) == g[0] for r, g in enumerate(groups))
+    counts = Counter(x for g in groups for x in g)
+    assert sorted(counts) == list(range(p))  # every prefill rank is released by someone
+    for rank in range(p):
+        assert expected_releases(rank, p, d) == counts[rank] >= 1

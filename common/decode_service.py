@@ -1,0 +1,307 @@
+"""The decode side of a handoff, engine-free: handshake, plan, claim, layer-by-layer pull, verify, release.
+
+One thread owns this rank's transport and side-channel clients and runs loads one after another, so the
+engine's step never waits on the network. The adapter submits ``LoadJob``s and collects ``LoadResult``s.
+A load counts only after prefill confirms its pages were held until the read finished (``Released``);
+anything else fails the request, and prefill is told to free its pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from glm_pd_common import protocol
+from glm_pd_common.checksum import mismatched_regions, verify
+from glm_pd_common.errors import GlmPdError, ProtocolError
+from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape
+from glm_pd_common.handoff import Handoff, HandoffState
+from glm_pd_common.pages import suffix_pages
+from glm_pd_common.peer import PeerView, accept_hello, make_hello
+from glm_pd_common.plan import TransferPlan, build_plan
+from glm_pd_common.regions import Region
+from glm_pd_common.sidechannel import SideChannelClient
+from glm_pd_common.spec import CacheSpec
+from glm_pd_common.tp import release_group, source_rank
+from glm_pd_common.transport.base import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a request's prefill lives: its engine id, side-channel host, base port (rank r: +r), TP size."""
+
+    engine_id: str
+    host: str
+    base_port: int
+    tp_size: int
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    request_id: str
+    remote: RemotePrefill
+    remote_pages: np.ndarray  # prefill's whole page table for the request
+    local_pages: np.ndarray  # decode's whole page table for the request
+    num_tokens: int
+    prefix_tokens: int  # decode's local prefix hit (page-aligned): those pages stay
+    read: bool = True  # False: nothing to read (all tokens hit locally), only release prefill's pages
+    fault: str = ""  # test hook: "corrupt" flips a landed byte before verification
+
+
+@dataclass
+class LoadResult:
+    request_id: str
+    ok: bool
+    reason: str = ""
+    states: list[str] = field(default_factory=list)
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    runs: int = 0
+    runs_by_kind: dict[str, int] = field(default_factory=dict)
+    batches: int = 0
+    seconds: float = 0.0
+    plan_ms: float = 0.0
+    pages: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Peer:
+    client: SideChannelClient
+    view: PeerView
+    agent: str
+
+
+class DecodeService:
+    def __init__(
+        self,
+        engine_id: str,
+        spec: CacheSpec,
+        regions: list[Region],
+        transport: Transport,
+        shape: PeerShape,
+        *,
+        timeout_s: float,
+        verify_digests: bool,
+    ) -> None:
+        self.engine_id = engine_id
+        self.spec = spec
+        self.regions = regions
+        self.transport = transport
+        self.shape = shape
+        self.timeout_s = timeout_s
+        self.verify_digests = verify_digests
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"glm-pd-decode-{engine_id}", daemon=True)
+        self._thread.start()
+
+    # -- engine-facing, thread-safe ---------------------------------------------------------------
+    def submit(self, job: LoadJob) -> None:
+        self._jobs.put(job)
+
+    def results(self) -> list[LoadResult]:
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=self.timeout_s + 5)
+        for peer in self._peers.values():
+            peer.client.close()
+        self._peers.clear()
+
+    # -- the service thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._results.put(self._load(job))
+            except Exception as exc:  # a bug must fail one request, never wedge the engine
+                logger.exception("glm-pd decode: load of %s crashed", job.request_id)
+                self._results.put(LoadResult(job.request_id, False, f"internal error: {exc!r}"))
+
+    def _load(self, job: LoadJob) -> LoadResult:
+        handoff = Handoff(job.request_id)
+        result = LoadResult(job.request_id, ok=False)
+        remote = job.remote
+        group = release_group(self.shape.tp_rank, remote.tp_size, self.shape.tp_size)
+        try:
+            if job.read:
+                src_rank = source_rank(self.shape.tp_rank, remote.tp_size, self.shape.tp_size)
+                peer = self._peer(remote, src_rank)
+                handoff.advance(HandoffState.WAITING_FOR_INPUT)
+                plan = self._plan(job, peer.view, result)
+                claim = self._ask(
+                    peer,
+                    protocol.TransferRequest(
+                        v=PROTOCOL_VERSION,
+                        request_id=job.request_id,
+                        num_tokens=job.num_tokens,
+                        prefix_tokens=job.prefix_tokens,
+                        src_pages=plan.src_pages.tolist(),
+                        dst_pages=plan.dst_pages.tolist(),
+                        dst_engine_id=self.engine_id,
+                        verify=self.verify_digests,
+                    ),
+                    job.request_id,
+                    (protocol.Claimed,),
+                )
+                handoff.advance(HandoffState.TRANSFERRING)
+                self._pull(peer, plan, result)
+                if job.fault == "corrupt":
+                    last = plan.entries[-1].dst
+                    ctypes_flip(last.base_addr + int(plan.dst_pages[-1]) * last.page_stride + last.page_bytes - 1)
+                if claim.digests is not None:
+                    self._verify(peer, plan, claim.digests, job.request_id)
+            self._release(remote, group, job.request_id)
+            if job.read:
+                handoff.advance(HandoffState.SUCCESS)
+            result.ok = True
+        except GlmPdError as exc:
+            handoff.fail(str(exc))
+            result.reason = str(exc)
+            self._abort(remote, group, job.request_id, str(exc))
+            self._forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
+        result.states = handoff.states
+        return result
+
+    def _plan(self, job: LoadJob, view: PeerView, result: LoadResult) -> TransferPlan:
+        d_pt = self.shape.page_tokens
+        src = suffix_pages(
+            job.remote_pages, job.num_tokens, job.prefix_tokens, view.shape.page_tokens, align_tokens=d_pt
+        )
+        dst = suffix_pages(job.local_pages, job.num_tokens, job.prefix_tokens, d_pt, align_tokens=d_pt)
+        t0 = time.perf_counter()
+        plan = build_plan(
+            view.regions, self.regions, src, dst, num_tokens=job.num_tokens, prefix_tokens=job.prefix_tokens
+        )
+        result.plan_ms = (time.perf_counter() - t0) * 1e3
+        result.pages = {"prefill": int(src.size), "decode": int(dst.size)}
+        return plan
+
+    def _pull(self, peer: _Peer, plan: TransferPlan, result: LoadResult) -> None:
+        """Post every layer's runs (layer 0 first, each indexer with its layer), then wait for all."""
+        t0 = time.perf_counter()
+        posted = []
+        try:
+            for _, entries in plan.layers():
+                posted.append(self.transport.post_plan(peer.agent, plan, "READ", entries=entries))
+            for xfer in posted:
+                self.transport.wait(xfer, self.timeout_s)
+        finally:
+            for xfer in posted:
+                self.transport.release(xfer)
+        result.seconds = time.perf_counter() - t0
+        result.bytes_by_kind = plan.bytes_by_kind()
+        result.runs, result.runs_by_kind, result.batches = plan.num_runs, plan.runs_by_kind(), len(posted)
+
+    def _verify(self, peer: _Peer, plan: TransferPlan, digests: list[int], request_id: str) -> None:
+        bad = mismatched_regions(plan, digests) if len(digests) == len(plan.entries) else []
+        pages = None
+        if bad:
+            reply = self._ask(
+                peer,
+                protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=request_id, region_indices=bad),
+                request_id,
+                (protocol.PageDigests,),
+            )
+            pages = reply.pages
+        verify(plan, digests, remote_pages=pages)
+
+    def _release(self, remote: RemotePrefill, group: list[int], request_id: str) -> None:
+        """Confirm to every prefill rank holding this request; the source rank's answer decides."""
+        source = group[0]
+        for rank in group:
+            try:
+                self._ask(
+                    self._peer(remote, rank),
+                    protocol.Done(v=PROTOCOL_VERSION, request_id=request_id, num_bytes=0),
+                    request_id,
+                    (protocol.Released,),
+                )
+            except GlmPdError:
+                if rank == source:
+                    raise
+                logger.warning("glm-pd decode: prefill rank %d did not confirm release of %s", rank, request_id)
+
+    def _abort(self, remote: RemotePrefill, group: list[int], request_id: str, reason: str) -> None:
+        for rank in group:
+            peer = self._peers.get((remote.engine_id, rank))
+            if peer is not None:
+                peer.client.send(protocol.Abort(v=PROTOCOL_VERSION, request_id=request_id, reason=reason[:500]))
+
+    def _forget(self, remote: RemotePrefill) -> None:
+        for key in [k for k in self._peers if k[0] == remote.engine_id]:
+            peer = self._peers.pop(key)
+            peer.client.close()
+            self.transport.remove_peer(peer.agent)
+
+    def _peer(self, remote: RemotePrefill, rank: int) -> _Peer:
+        key = (remote.engine_id, rank)
+        if key in self._peers:
+            return self._peers[key]
+        client = SideChannelClient(remote.host, remote.base_port + rank)
+        try:
+            client.send(
+                make_hello(
+                    self.engine_id,
+                    self.spec,
+                    self.shape,
+                    self.regions,
+                    self.transport.backend,
+                    self.transport.agent_name,
+                    self.transport.metadata(),
+                )
+            )
+            reply = client.recv(self.timeout_s)
+            if isinstance(reply, protocol.Failed):
+                raise GlmPdError(f"prefill {remote.engine_id} rank {rank} refused the handshake: {reply.reason}")
+            if not isinstance(reply, protocol.Hello):
+                raise ProtocolError(f"prefill {remote.engine_id} rank {rank} answered {type(reply).__name__}")
+            view = accept_hello(self.spec, reply, backend=self.transport.backend, role="prefill", local_role="decode")
+            if view.engine_id != remote.engine_id or view.shape.tp_rank != rank:
+                raise ProtocolError(
+                    f"{remote.host}:{remote.base_port + rank} is {view.engine_id} rank "
+                    f"{view.shape.tp_rank}, not {remote.engine_id} rank {rank}"
+                )
+            agent = self.transport.add_peer(view.agent_metadata, view.spans)
+        except Exception:
+            client.close()
+            raise
+        self._peers[key] = _Peer(client, view, agent)
+        return self._peers[key]
+
+    def _ask(self, peer: _Peer, msg: protocol.Message, request_id: str, want: tuple[type, ...]):
+        """Send and wait for this request's answer (a late answer to an earlier request is skipped)."""
+        peer.client.send(msg)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            reply = peer.client.recv(max(deadline - time.monotonic(), 0.001))
+            if getattr(reply, "request_id", None) != request_id:
+                continue
+            if isinstance(reply, protocol.Failed):
+                raise GlmPdError(f"prefill {peer.view.engine_id} refused {type(msg).__name__}: {reply.reason}")
+            if isinstance(reply, want):
+                return reply
+            raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")
+
+
+def ctypes_flip(addr: int) -> None:
+    """Fault injection for tests and the demo: invert one byte of registered memory."""
+    import ctypes
+
+    byte = ctypes.c_uint8.from_address(addr)
+    byte.value ^= 0xFF

@@ -1,0 +1,251 @@
+"""The prefill side of a handoff, engine-free: leases, the side channel, claims, releases, expiry.
+
+One thread owns the side channel socket, the transport's notifications and the lease table, so none of
+them is touched concurrently. The engine adapter talks to it through two thread-safe calls: ``grant``
+(a finished request's pages, to hold for decode) and ``finished`` (requests whose pages may now be freed:
+released by every decode rank that reads them, aborted, or expired).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from glm_pd_common import protocol
+from glm_pd_common.checksum import page_digests, plan_digests
+from glm_pd_common.errors import GlmPdError
+from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape
+from glm_pd_common.lease import LeaseTable
+from glm_pd_common.pages import suffix_pages
+from glm_pd_common.peer import PeerView, accept_hello, make_hello
+from glm_pd_common.plan import TransferPlan, build_plan
+from glm_pd_common.regions import Region
+from glm_pd_common.sidechannel import SideChannelServer
+from glm_pd_common.spec import CacheSpec
+from glm_pd_common.tp import expected_releases
+from glm_pd_common.transport.base import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request whose prefill pages may be freed, and why."""
+
+    request_id: str
+    outcome: str  # released | aborted | expired
+    detail: str = ""
+
+
+@dataclass
+class _Decode:
+    identity: bytes
+    peer: PeerView
+
+
+class PrefillService:
+    def __init__(
+        self,
+        engine_id: str,
+        spec: CacheSpec,
+        regions: list[Region],
+        transport: Transport,
+        shape: PeerShape,
+        *,
+        host: str,
+        port: int,
+        lease_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.engine_id = engine_id
+        self.spec = spec
+        self.regions = regions
+        self.transport = transport
+        self.shape = shape
+        self.timeout_s = timeout_s
+        self.server = SideChannelServer(host, port)
+        self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
+        self._grants: queue.SimpleQueue[tuple[str, np.ndarray]] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()
+        self._decodes: dict[bytes, _Decode] = {}
+        self._early_claims: dict[str, tuple[bytes, protocol.TransferRequest, float]] = {}
+        self._plans: dict[tuple[bytes, str], TransferPlan] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{engine_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    # -- engine-facing, thread-safe ---------------------------------------------------------------
+    def grant(self, request_id: str, pages: np.ndarray) -> None:
+        """Hold a finished request's full page table for decode (its lease starts now)."""
+        self._grants.put((request_id, np.asarray(pages, dtype=np.int64)))
+
+    def finished(self) -> list[Finished]:
+        out = []
+        while True:
+            try:
+                out.append(self._finished.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.server.close()
+
+    # -- the service thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # the service must outlive any one bad peer or message
+                logger.exception("glm-pd prefill service step failed")
+
+    def _step(self) -> None:
+        while True:
+            try:
+                request_id, pages = self._grants.get_nowait()
+            except queue.Empty:
+                break
+            self._leases.grant(request_id, pages, releases=1)
+            early = self._early_claims.pop(request_id, None)
+            if early is not None:
+                self._on_claim(early[0], early[1])
+        for lease in self._leases.expire():
+            self._finished.put(Finished(lease.request_id, "expired", "lease expired before decode confirmed"))
+            self._drop_plans(lease.request_id)
+        now = time.monotonic()
+        for request_id, (ident, _, deadline) in list(self._early_claims.items()):
+            if deadline < now:
+                del self._early_claims[request_id]
+                self._fail(ident, request_id, "prefill holds no lease for this request")
+        self.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
+        try:
+            ident, msg = self.server.recv(timeout_s=0.002)
+        except GlmPdError as exc:
+            if "no message" not in str(exc):
+                logger.warning("glm-pd prefill: refused a side-channel message: %s", exc)
+            return
+        self._dispatch(ident, msg)
+
+    def _dispatch(self, ident: bytes, msg: protocol.Message) -> None:
+        if isinstance(msg, protocol.Query):
+            self.server.send(ident, self._hello(b""))
+        elif isinstance(msg, protocol.Hello):
+            self._on_hello(ident, msg)
+        elif ident not in self._decodes:
+            self._fail(ident, getattr(msg, "request_id", ""), "no handshake from this peer yet")
+        elif isinstance(msg, protocol.TransferRequest):
+            self._on_claim(ident, msg)
+        elif isinstance(msg, protocol.Done):
+            self._on_done(ident, msg)
+        elif isinstance(msg, protocol.Abort):
+            self._on_abort(msg)
+        elif isinstance(msg, protocol.DigestQuery):
+            plan = self._plans.get((ident, msg.request_id))
+            wanted = [i for i in msg.region_indices if plan is not None and 0 <= i < len(plan.entries)][:8]
+            pages = {i: page_digests(plan, i, "src") for i in wanted} if plan is not None else {}
+            self.server.send(ident, protocol.PageDigests(v=PROTOCOL_VERSION, request_id=msg.request_id, pages=pages))
+
+    def _hello(self, metadata: bytes) -> protocol.Hello:
+        return make_hello(
+            self.engine_id,
+            self.spec,
+            self.shape,
+            self.regions,
+            self.transport.backend,
+            self.transport.agent_name,
+            metadata,
+        )
+
+    def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
+        try:
+            peer = accept_hello(self.spec, msg, backend=self.transport.backend, role="decode", local_role="prefill")
+            self.transport.add_peer(peer.agent_metadata, peer.spans)
+        except GlmPdError as exc:
+            logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
+            self._fail(ident, "", str(exc))
+            return
+        self._decodes[ident] = _Decode(ident, peer)
+        self.server.send(ident, self._hello(self.transport.metadata()))
+
+    def _on_claim(self, ident: bytes, msg: protocol.TransferRequest) -> None:
+        if msg.request_id not in self._leases:
+            if msg.request_id not in self._early_claims:
+                # decode can ask before the engine hands the finished request over: hold the claim a while
+                self._early_claims[msg.request_id] = (ident, msg, time.monotonic() + self.timeout_s)
+            return
+        decode = self._decodes[ident]
+        try:
+            self._leases.expect(msg.request_id, self._releases_from(decode))
+            lease = self._leases.claim(msg.request_id)
+            own = suffix_pages(
+                lease.pages,
+                msg.num_tokens,
+                msg.prefix_tokens,
+                self.shape.page_tokens,
+                align_tokens=decode.peer.shape.page_tokens,
+            )
+            if not np.array_equal(own, np.asarray(msg.src_pages, dtype=np.int64)):
+                raise GlmPdError(f"request {msg.request_id}: decode's source pages are not the pages it holds")
+            plan = build_plan(
+                self.regions,
+                decode.peer.regions,
+                own,
+                np.asarray(msg.dst_pages, dtype=np.int64),
+                num_tokens=msg.num_tokens,
+                prefix_tokens=msg.prefix_tokens,
+            )
+        except GlmPdError as exc:
+            self._fail(ident, msg.request_id, str(exc))
+            return
+        if msg.verify:
+            self._plans[ident, msg.request_id] = plan
+        digests = plan_digests(plan, "src") if msg.verify else None
+        self.server.send(
+            ident,
+            protocol.Claimed(
+                v=PROTOCOL_VERSION,
+                request_id=msg.request_id,
+                lease_s=self.timeout_s,
+                num_bytes=plan.num_bytes,
+                digests=digests,
+            ),
+        )
+
+    def _on_done(self, ident: bytes, msg: protocol.Done) -> None:
+        # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
+        self._leases.expect(msg.request_id, self._releases_from(self._decodes[ident]))
+        try:
+            pages = self._leases.release(msg.request_id)
+        except GlmPdError as exc:
+            self._fail(ident, msg.request_id, str(exc))
+            return
+        self.server.send(ident, protocol.Released(v=PROTOCOL_VERSION, request_id=msg.request_id))
+        if pages is not None:
+            self._finished.put(Finished(msg.request_id, "released"))
+            self._drop_plans(msg.request_id)
+
+    def _on_abort(self, msg: protocol.Abort) -> None:
+        if self._leases.drop(msg.request_id) is not None:
+            self._finished.put(Finished(msg.request_id, "aborted", msg.reason))
+        self._early_claims.pop(msg.request_id, None)
+        self._drop_plans(msg.request_id)
+
+    def _releases_from(self, decode: _Decode) -> int:
+        return expected_releases(self.shape.tp_rank, self.shape.tp_size, decode.peer.shape.tp_size)
+
+    def _fail(self, ident: bytes, request_id: str, reason: str) -> None:
+        self.server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=reason))
+
+    def _drop_plans(self, request_id: str) -> None:
+        for key in [k for k in self._plans if k[1] == request_id]:
+            del self._plans[key]

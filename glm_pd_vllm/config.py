@@ -1,0 +1,54 @@
+"""``kv_connector_extra_config`` parsed into one frozen object; an unknown key is an error, not ignored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from glm_pd_common.errors import ConfigError
+from glm_pd_common.transport.base import BACKENDS
+
+
+@dataclass(frozen=True)
+class GlmPdVllmConfig:
+    """Every key glm-pd reads from ``kv_connector_extra_config`` (see README, "vLLM")."""
+
+    side_channel_host: str = "127.0.0.1"  # address prefill's side channel binds to and publishes
+    side_channel_port: int = 5710  # base port; TP rank r listens on base + r
+    transport: str = "nixl"  # nixl | mooncake
+    allow_tcp: bool = False  # accept a data path without RDMA (refused otherwise)
+    lease_s: float = 30.0  # prefill holds finished blocks this long for decode's claim
+    timeout_s: float = 60.0  # bound on every handshake, claim and transfer wait
+    verify_checksums: bool = False  # per-region xxh3 digests compared before a load counts
+    indexer_scale_format: str = "fp32"  # fp32 (SM90: H100/H200) | ue8m0x4 (SM100: B200)
+    model_revision: str = ""  # checked between peers when both set it
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> GlmPdVllmConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config has unknown key(s) {unknown}; GlmPdConnector reads {sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            kind = type(known[name].default)
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ConfigError(f"kv_connector_extra_config[{name!r}] must be {kind.__name__}, got {value!r}")
+            values[name] = value
+        config = cls(**values)
+        if config.transport not in BACKENDS:
+            raise ConfigError(
+                f"kv_connector_extra_config['transport'] must be one of {BACKENDS}, got {config.transport!r}"
+            )
+        if config.lease_s <= 0 or config.timeout_s <= 0:
+            raise ConfigError("kv_connector_extra_config lease_s and timeout_s must be positive")
+        if not 0 < config.side_channel_port < 65536:
+            raise ConfigError(
+                f"kv_connector_extra_config['side_channel_port'] {config.side_channel_port} is not a port"
+            )
+        return config
