@@ -1,8 +1,10 @@
 # Two commands set everything up: `make demo` (the main job) and `make test` (the whole suite).
+# Each suite has its own venv outside the checkout (scripts/venv.sh), keyed by its pinned requirements.
 SHELL := /bin/bash
 CORE_REQS := requirements/core.txt requirements/transports.txt
+VLLM_REQS := requirements/vllm.txt requirements/transports.txt requirements/vllm-nixl.txt
 
-.PHONY: demo test core-venv system-deps lint
+.PHONY: demo test test-core test-vllm core-venv vllm-venv system-deps lint
 
 # Mooncake's engine links libibverbs (it then finds no HCA here and is told to use TCP).
 system-deps:
@@ -12,6 +14,10 @@ core-venv: system-deps
 	@venv=$$(scripts/venv.sh core $(CORE_REQS)) && $$venv/bin/python -m pip install -q --no-deps -e . \
 	  && echo $$venv > .venv-core-path
 
+vllm-venv: system-deps
+	@venv=$$(scripts/venv.sh vllm $(VLLM_REQS)) && $$venv/bin/python -m pip install -q --no-deps -e . \
+	  && echo $$venv > .venv-vllm-path
+
 # This box has no RDMA NIC, so the demo must be told that TCP/shared memory is acceptable.
 demo: core-venv
 	$$(cat .venv-core-path)/bin/glm-pd demo --allow-tcp
@@ -19,5 +25,11 @@ demo: core-venv
 lint: core-venv
 	$$(cat .venv-core-path)/bin/ruff check .
 
-test: lint
-	$$(cat .venv-core-path)/bin/python -m pytest -q tests
+test-core: lint
+	$$(cat .venv-core-path)/bin/python -m pytest -q tests/common tests/transport
+
+# vLLM 0.33 (PyPI's CUDA build) imports and builds its configs on this CPU machine.
+test-vllm: vllm-venv
+	$$(cat .venv-vllm-path)/bin/python -m pytest -q tests/vllm
+
+test: test-core test-vllm

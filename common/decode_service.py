@@ -53,6 +53,11 @@ class LoadJob:
     prefix_tokens: int  # decode's local prefix hit (page-aligned): those pages stay
     read: bool = True  # False: nothing to read (all tokens hit locally), only release prefill's pages
     fault: str = ""  # test hook: "corrupt" flips a landed byte before verification
+    remote_request_id: str = ""  # prefill's id for the request, when the engines name it differently
+
+    @property
+    def lease_id(self) -> str:
+        return self.remote_request_id or self.request_id
 
 
 @dataclass
@@ -148,7 +153,7 @@ class DecodeService:
                     peer,
                     protocol.TransferRequest(
                         v=PROTOCOL_VERSION,
-                        request_id=job.request_id,
+                        request_id=job.lease_id,
                         num_tokens=job.num_tokens,
                         prefix_tokens=job.prefix_tokens,
                         src_pages=plan.src_pages.tolist(),
@@ -156,7 +161,7 @@ class DecodeService:
                         dst_engine_id=self.engine_id,
                         verify=self.verify_digests,
                     ),
-                    job.request_id,
+                    job.lease_id,
                     (protocol.Claimed,),
                 )
                 handoff.advance(HandoffState.TRANSFERRING)
@@ -165,15 +170,15 @@ class DecodeService:
                     last = plan.entries[-1].dst
                     ctypes_flip(last.base_addr + int(plan.dst_pages[-1]) * last.page_stride + last.page_bytes - 1)
                 if claim.digests is not None:
-                    self._verify(peer, plan, claim.digests, job.request_id)
-            self._release(remote, group, job.request_id)
+                    self._verify(peer, plan, claim.digests, job.lease_id)
+            self._release(remote, group, job.lease_id)
             if job.read:
                 handoff.advance(HandoffState.SUCCESS)
             result.ok = True
         except GlmPdError as exc:
             handoff.fail(str(exc))
             result.reason = str(exc)
-            self._abort(remote, group, job.request_id, str(exc))
+            self._abort(remote, group, job.lease_id, str(exc))
             self._forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
         result.states = handoff.states
         return result

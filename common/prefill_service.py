@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,8 +74,9 @@ class PrefillService:
         self._grants: queue.SimpleQueue[tuple[str, np.ndarray]] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()
         self._decodes: dict[bytes, _Decode] = {}
-        self._early_claims: dict[str, tuple[bytes, protocol.TransferRequest, float]] = {}
+        self._early_claims: dict[tuple[str, bytes], tuple[protocol.TransferRequest, float]] = {}
         self._plans: dict[tuple[bytes, str], TransferPlan] = {}
+        self._gone: OrderedDict[str, str] = OrderedDict()  # recently ended leases, so late claims fail fast
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{engine_id}", daemon=True)
         self._thread.start()
@@ -116,16 +118,14 @@ class PrefillService:
             except queue.Empty:
                 break
             self._leases.grant(request_id, pages, releases=1)
-            early = self._early_claims.pop(request_id, None)
-            if early is not None:
-                self._on_claim(early[0], early[1])
+            for key in [k for k in self._early_claims if k[0] == request_id]:
+                self._on_claim(key[1], self._early_claims.pop(key)[0])
         for lease in self._leases.expire():
-            self._finished.put(Finished(lease.request_id, "expired", "lease expired before decode confirmed"))
-            self._drop_plans(lease.request_id)
+            self._end(Finished(lease.request_id, "expired", "lease expired before decode confirmed"))
         now = time.monotonic()
-        for request_id, (ident, _, deadline) in list(self._early_claims.items()):
+        for (request_id, ident), (_, deadline) in list(self._early_claims.items()):
             if deadline < now:
-                del self._early_claims[request_id]
+                del self._early_claims[request_id, ident]
                 self._fail(ident, request_id, "prefill holds no lease for this request")
         self.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
         try:
@@ -178,10 +178,14 @@ class PrefillService:
         self.server.send(ident, self._hello(self.transport.metadata()))
 
     def _on_claim(self, ident: bytes, msg: protocol.TransferRequest) -> None:
+        if msg.request_id in self._gone:
+            self._fail(
+                ident, msg.request_id, f"prefill's lease on this request already ended: {self._gone[msg.request_id]}"
+            )
+            return
         if msg.request_id not in self._leases:
-            if msg.request_id not in self._early_claims:
-                # decode can ask before the engine hands the finished request over: hold the claim a while
-                self._early_claims[msg.request_id] = (ident, msg, time.monotonic() + self.timeout_s)
+            # decode can ask before the engine hands the finished request over: hold the claim a while
+            self._early_claims.setdefault((msg.request_id, ident), (msg, time.monotonic() + self.timeout_s))
             return
         decode = self._decodes[ident]
         try:
@@ -231,13 +235,13 @@ class PrefillService:
             return
         self.server.send(ident, protocol.Released(v=PROTOCOL_VERSION, request_id=msg.request_id))
         if pages is not None:
-            self._finished.put(Finished(msg.request_id, "released"))
-            self._drop_plans(msg.request_id)
+            self._end(Finished(msg.request_id, "released"))
 
     def _on_abort(self, msg: protocol.Abort) -> None:
         if self._leases.drop(msg.request_id) is not None:
-            self._finished.put(Finished(msg.request_id, "aborted", msg.reason))
-        self._early_claims.pop(msg.request_id, None)
+            self._end(Finished(msg.request_id, "aborted", msg.reason))
+        for key in [k for k in self._early_claims if k[0] == msg.request_id]:
+            del self._early_claims[key]
         self._drop_plans(msg.request_id)
 
     def _releases_from(self, decode: _Decode) -> int:
@@ -245,6 +249,13 @@ class PrefillService:
 
     def _fail(self, ident: bytes, request_id: str, reason: str) -> None:
         self.server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=reason))
+
+    def _end(self, done: Finished) -> None:
+        self._finished.put(done)
+        self._gone[done.request_id] = done.outcome
+        while len(self._gone) > 4096:
+            self._gone.popitem(last=False)
+        self._drop_plans(done.request_id)
 
     def _drop_plans(self, request_id: str) -> None:
         for key in [k for k in self._plans if k[1] == request_id]:

@@ -1,0 +1,154 @@
+"""Scheduler side of ``GlmPdConnector``: kv_transfer_params out on prefill, loads in on decode.
+
+Prefill: a finished ``do_remote_decode`` request keeps its blocks (delay free) and hands the router the
+params; the worker is told to lease those blocks. Decode: validated params plus the local prefix hit
+become a load of the suffix only; the scheduler parks the request until the worker reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.request import RequestStatus
+
+from glm_pd_common.errors import ConfigError
+from glm_pd_common.spec import CacheSpec
+from glm_pd_vllm.config import GlmPdVllmConfig
+from glm_pd_vllm.params import parse_remote
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadSpec:
+    """One decode load, as the worker needs it (plain values: metadata crosses process boundaries)."""
+
+    request_id: str
+    remote_request_id: str
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    num_tokens: int
+    prefix_tokens: int
+    read: bool = True
+    error: str = ""
+
+
+@dataclass
+class GlmPdMetadata(KVConnectorMetadata):
+    grants: dict[str, list[int]] = field(default_factory=dict)  # prefill: request id -> blocks to lease
+    loads: list[LoadSpec] = field(default_factory=list)  # decode: loads to start
+
+
+class GlmPdScheduler:
+    def __init__(self, vllm_config: VllmConfig, config: GlmPdVllmConfig, spec: CacheSpec, engine_id: str) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.digest = spec.fingerprint().digest()
+        kv = vllm_config.kv_transfer_config
+        self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
+        self._meta = GlmPdMetadata()
+        self._pending: dict[str, tuple[dict[str, Any] | None, int, str]] = {}  # id -> (remote, prefix, error)
+
+    # -- decode ---------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not self.is_consumer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        num_prompt = len(request.prompt_token_ids or [])
+        try:
+            remote = parse_remote(params)
+            if remote["num_tokens"] != num_prompt:
+                raise ConfigError(f"prefill computed {remote['num_tokens']} tokens; this prompt has {num_prompt}")
+            if num_computed_tokens % self.block_size:
+                raise ConfigError(f"local prefix hit {num_computed_tokens} is not block-aligned ({self.block_size})")
+            error = ""
+        except ConfigError as exc:
+            remote, error = None, f"invalid kv_transfer_params: {exc}"
+            logger.warning("GlmPdConnector: request %s: %s", request.request_id, error)
+        self._pending[request.request_id] = (remote, num_computed_tokens, error)
+        count = num_prompt - num_computed_tokens
+        if count <= 0:  # everything hit locally: nothing to read, but prefill must free its blocks
+            self._queue(request, [], read=False)
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if request.request_id not in self._pending:
+            return
+        if num_external_tokens == 0:
+            self._queue(request, [], read=False)
+            return
+        self._queue(request, list(blocks.get_block_ids()[0]), read=True)
+        # A preempted request comes back with num_computed_tokens=0: it must not load a second time.
+        request.kv_transfer_params["do_remote_prefill"] = False
+
+    def _queue(self, request: Request, local_blocks: list[int], *, read: bool) -> None:
+        remote, prefix, error = self._pending.pop(request.request_id)
+        if remote is None:  # bad params: a read fails at once (the failure policy applies), nothing to free
+            if read:
+                self._meta.loads.append(
+                    LoadSpec(request.request_id, "", "", "", 0, 1, [], local_blocks, 0, 0, error=error)
+                )
+            return
+        self._meta.loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                remote_request_id=remote["request_id"],
+                engine_id=remote["engine_id"],
+                host=remote["host"],
+                port=remote["port"],
+                tp_size=remote["tp_size"],
+                remote_block_ids=remote["block_ids"].tolist(),
+                local_block_ids=local_blocks,
+                num_tokens=remote["num_tokens"],
+                prefix_tokens=prefix,
+                read=read,
+            )
+        )
+
+    # -- prefill --------------------------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        if request.request_id in self._pending:  # decode: aborted before allocation; let prefill free
+            self._queue(request, [], read=False)
+        params = request.kv_transfer_params
+        if not self.is_producer or not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or errored: nothing for decode, free now
+        blocks = list(block_ids[0]) if block_ids else []
+        if not blocks:
+            return False, None
+        self._meta.grants[request.request_id] = blocks
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.config.side_channel_host,
+            "remote_port": self.config.side_channel_port,
+            "tp_size": self.tp_size,
+            "remote_block_ids": blocks,
+            "remote_num_tokens": request.num_computed_tokens,
+            "remote_page_tokens": self.block_size,
+            "fingerprint": self.digest,
+            "lease_s": self.config.lease_s,
+        }
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GlmPdMetadata:
+        meta, self._meta = self._meta, GlmPdMetadata()
+        return meta

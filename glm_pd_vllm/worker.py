@@ -1,0 +1,201 @@
+"""Worker side of ``GlmPdConnector``: caches -> regions, transport, and the core's prefill/decode services.
+
+Loads run on the decode service's thread between engine steps (the GLM-5 CUDA attention path never calls
+``wait_for_layer_load``), so a request is scheduled only after its whole suffix has landed and prefill
+has confirmed its blocks were held throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from glm_pd_common.decode_service import DecodeService, LoadJob, RemotePrefill
+from glm_pd_common.fingerprint import PeerShape
+from glm_pd_common.prefill_service import PrefillService
+from glm_pd_common.spec import CacheSpec
+from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
+from glm_pd_vllm.caches import regions_from_kv_caches
+from glm_pd_vllm.config import GlmPdVllmConfig
+from glm_pd_vllm.scheduler import GlmPdMetadata, LoadSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+def tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
+    from vllm.distributed import parallel_state
+
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank(), size
+    return vllm_config.parallel_config.rank % size, size
+
+
+@dataclass
+class GlmPdStats(KVConnectorStats):
+    """Connector stats through vLLM's own hook: bytes by kind, runs, transfer seconds, failures."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, key: str, value: float) -> None:
+        self.data[key] = self.data.get(key, 0) + value
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.add(key, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class GlmPdWorker:
+    def __init__(self, vllm_config: VllmConfig, config: GlmPdVllmConfig, spec: CacheSpec, engine_id: str) -> None:
+        self.config = config
+        self.spec = spec
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_rank, self.tp_size = tp_rank_and_size(vllm_config)
+        kv = vllm_config.kv_transfer_config
+        self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
+        self.transport: Transport | None = None
+        self.prefill: PrefillService | None = None
+        self.decode: DecodeService | None = None
+        self._load_errors: set[int] = set()
+        self._inflight: dict[str, list[int]] = {}  # request id -> local blocks being loaded
+        self._failed_now: list[tuple[LoadSpec, str]] = []
+        self.stats = GlmPdStats()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        regions = regions_from_kv_caches(kv_caches, self.spec, self.block_size)
+        name = f"{self.engine_id}-tp{self.tp_rank}"
+        self.transport = create_transport(
+            name,
+            TransportConfig(
+                backend=self.config.transport,
+                host=self.config.side_channel_host,
+                allow_tcp=self.config.allow_tcp,
+                timeout_s=self.config.timeout_s,
+            ),
+        )
+        self.transport.register(regions)
+        shape = PeerShape(self.block_size, self.tp_size, self.tp_rank)
+        if self.is_producer:
+            self.prefill = PrefillService(
+                self.engine_id,
+                self.spec,
+                regions,
+                self.transport,
+                shape,
+                host=self.config.side_channel_host,
+                port=self.config.side_channel_port + self.tp_rank,
+                lease_s=self.config.lease_s,
+                timeout_s=self.config.timeout_s,
+            )
+        if self.is_consumer:
+            self.decode = DecodeService(
+                self.engine_id,
+                self.spec,
+                regions,
+                self.transport,
+                shape,
+                timeout_s=self.config.timeout_s,
+                verify_digests=self.config.verify_checksums,
+            )
+        logger.info(
+            "GlmPdConnector worker %s: %d regions, fingerprint %s, transport %s",
+            name,
+            len(regions),
+            self.spec.fingerprint().digest(),
+            self.transport.info().data_path,
+        )
+
+    def start_load_kv(self, meta: GlmPdMetadata) -> None:
+        for request_id, blocks in meta.grants.items():
+            if self.prefill is not None:
+                self.prefill.grant(request_id, np.asarray(blocks, dtype=np.int64))
+        for load in meta.loads:
+            if load.error or self.decode is None:
+                self._failed_now.append((load, load.error or "this instance is not a kv_consumer"))
+                continue
+            self._inflight[load.request_id] = load.local_block_ids
+            self.decode.submit(
+                LoadJob(
+                    request_id=load.request_id,
+                    remote=RemotePrefill(load.engine_id, load.host, load.port, load.tp_size),
+                    remote_pages=np.asarray(load.remote_block_ids, dtype=np.int64),
+                    local_pages=np.asarray(load.local_block_ids, dtype=np.int64),
+                    num_tokens=load.num_tokens,
+                    prefix_tokens=load.prefix_tokens,
+                    read=load.read,
+                    remote_request_id=load.remote_request_id,
+                )
+            )
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        if self.prefill is not None:
+            for done in self.prefill.finished():
+                out.finished_sending.add(done.request_id)
+                self.stats.add(f"prefill_{done.outcome}", 1)
+                if done.outcome != "released":
+                    logger.warning(
+                        "GlmPdConnector: freed blocks of %s: %s %s", done.request_id, done.outcome, done.detail
+                    )
+        failures = list(self._failed_now)
+        self._failed_now.clear()
+        for load, reason in failures:
+            out.finished_recving.add(load.request_id)
+            out.failed_recving.add(load.request_id)
+            self._load_errors.update(load.local_block_ids)
+            logger.error("GlmPdConnector: load of %s failed: %s", load.request_id, reason)
+            self.stats.add("loads_failed", 1)
+        if self.decode is not None:
+            for result in self.decode.results():
+                out.finished_recving.add(result.request_id)
+                blocks = self._inflight.pop(result.request_id, [])
+                if result.ok:
+                    for kind, n in result.bytes_by_kind.items():
+                        self.stats.add(f"bytes_{kind}", n)
+                    self.stats.add("runs", result.runs)
+                    self.stats.add("transfer_s", result.seconds)
+                    self.stats.add("loads_ok", 1)
+                else:
+                    out.failed_recving.add(result.request_id)
+                    self._load_errors.update(blocks)
+                    self.stats.add("loads_failed", 1)
+                    logger.error("GlmPdConnector: load of %s failed: %s", result.request_id, result.reason)
+        return out
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> GlmPdStats | None:
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, GlmPdStats()
+        return stats
+
+    def shutdown(self) -> None:
+        for service in (self.decode, self.prefill):
+            if service is not None:
+                service.close()
+        if self.transport is not None:
+            self.transport.close()
+        self.decode = self.prefill = self.transport = None

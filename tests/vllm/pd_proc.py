@@ -1,0 +1,218 @@
+"""One vLLM instance's connector side, driven through the hooks in the order vLLM calls them.
+
+A real ``VllmConfig`` (tiny local GLM-5.x config), real ``GlmPdConnector`` objects for the scheduler and
+for each TP rank's worker (ranks as threads), real ``Request``/``KVCacheBlocks``/``SchedulerOutput``
+objects, and CPU tensors named and shaped as vLLM allocates them for a DSA model (one backing buffer per
+layer, ``[num_blocks, 1, block_size, 656]`` main and ``[num_blocks, 1, block_size, 132]`` indexer). Test
+double: the model forward itself (no GPU here): prefill's "compute" writes layout-valid token bytes into
+the request's blocks, as the attention kernels would.
+
+Run: ``python pd_proc.py JOB_JSON``; prefill prints its kv_transfer_params, then the outcome; decode reads
+params on stdin. Lines are marked ``PD``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.request import Request, RequestStatus
+
+from glm_pd_common.geometry import ModelGeometry
+from glm_pd_common.hostmem import HostCaches
+from glm_pd_common.spec import CacheSpec
+
+SEED = 5
+
+
+def say(obj: dict) -> None:
+    sys.stdout.write("PD " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def vllm_config(job: dict, rank: int) -> VllmConfig:
+    extra = {
+        "side_channel_port": job["port"],
+        "allow_tcp": True,
+        "timeout_s": 20.0,
+        "lease_s": job["lease_s"],
+        "verify_checksums": True,
+        **job.get("extra", {}),
+    }
+    kv = KVTransferConfig(
+        kv_connector="GlmPdConnector",
+        kv_connector_module_path=job.get("module_path"),
+        kv_role=job["role"],
+        engine_id=job["engine_id"],
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy="fail",
+    )
+    return VllmConfig(
+        model_config=ModelConfig(model=job["model"], skip_tokenizer_init=True, enforce_eager=True),
+        cache_config=CacheConfig(block_size=job["block_size"], cache_dtype=job.get("cache_dtype", "fp8")),
+        parallel_config=ParallelConfig(tensor_parallel_size=job["tp"], rank=rank),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv,
+    )
+
+
+def kv_caches(caches: HostCaches) -> dict[str, torch.Tensor]:
+    """vLLM's names and shapes, over the same memory the HostCaches fill and check."""
+    out = {}
+    for (kind, layer), buf in caches.buffers.items():
+        row = caches.spec.row.row_bytes if kind == "main" else caches.spec.indexer.row_bytes
+        view = torch.from_numpy(buf).view(caches.num_pages, 1, caches.page_tokens, row)
+        out[f"model.layers.{layer}.self_attn.{'attn' if kind == 'main' else 'indexer.k_cache'}"] = view
+    return out
+
+
+class Instance:
+    """One engine: a scheduler-side connector and one worker-side connector per TP rank."""
+
+    def __init__(self, job: dict) -> None:
+        self.job = job
+        configs = [vllm_config(job, r) for r in range(job["tp"])]
+        kv_cache_config = KVCacheConfig(num_blocks=job["num_blocks"], kv_cache_tensors=[], kv_cache_groups=[])
+        self.scheduler = KVConnectorFactory.create_connector(configs[0], KVConnectorRole.SCHEDULER, kv_cache_config)
+        self.workers = [
+            KVConnectorFactory.create_connector(c, KVConnectorRole.WORKER, kv_cache_config) for c in configs
+        ]
+        spec = CacheSpec.create(ModelGeometry.from_config(job["model"]), "fp8_ds_mla")
+        self.caches = [HostCaches(spec, page_tokens=job["block_size"], num_pages=job["num_blocks"]) for _ in configs]
+        for worker, caches in zip(self.workers, self.caches, strict=True):
+            worker.register_kv_caches(kv_caches(caches))
+        self.sent: Counter[str] = Counter()
+        self.received: Counter[str] = Counter()
+
+    def step(self) -> tuple[set[str], set[str], set[str], set[int]]:
+        """One engine step: scheduler metadata -> every worker (bind, start_load_kv, results, clear)."""
+        meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        failed: set[str] = set()
+        bad_blocks: set[int] = set()
+        for worker in self.workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            res = worker.get_transfer_results(set())
+            bad_blocks |= worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            self.sent.update(res.finished_sending)
+            self.received.update(res.finished_recving)
+            failed |= res.failed_recving
+        # as vLLM's KVOutputAggregator: finished once every worker has reported it, in any step
+        n = len(self.workers)
+        return (
+            {r for r, c in self.sent.items() if c == n},
+            {r for r, c in self.received.items() if c == n},
+            failed,
+            bad_blocks,
+        )
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+
+
+def request(rid: str, num_tokens: int, params: dict) -> Request:
+    sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    return Request(rid, list(range(num_tokens)), sp, None)
+
+
+def run_prefill(job: dict) -> None:
+    inst = Instance(job)
+    n = job["tokens"]
+    rng = np.random.default_rng(1)
+    table = rng.permutation(job["num_blocks"])[: -(-n // job["block_size"])]
+    for caches in inst.caches:  # every TP rank computes the same replicated MLA/indexer caches
+        caches.write_tokens(table, 0, n, seed=SEED)
+    req = request(job["request_id"], n, {"do_remote_decode": True})
+    req.num_computed_tokens = n
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = inst.scheduler.request_finished_all_groups(req, (table.tolist(),))
+    say({"delay_free": delay, "params": params})
+    deadline = time.monotonic() + job["wait_s"]
+    outcome = "timeout"
+    while time.monotonic() < deadline:
+        sending, _, _, _ = inst.step()
+        if job["request_id"] in sending:
+            outcome = "freed"
+            break
+        time.sleep(0.01)
+    say({"outcome": outcome, "elapsed_s": job["wait_s"] - (deadline - time.monotonic())})
+    linger = time.monotonic() + job.get("linger_s", 0)  # keep serving: a late decode must get an answer
+    while time.monotonic() < linger:
+        inst.step()
+        time.sleep(0.01)
+    inst.shutdown()
+
+
+def run_decode(job: dict, params: dict) -> None:
+    inst = Instance(job)
+    n, prefix, bs = job["tokens"], job["prefix_tokens"], job["block_size"]
+    table = np.random.default_rng(2).permutation(job["num_blocks"])[: -(-n // bs)]
+    for caches in inst.caches:
+        caches.write_tokens(table, 0, prefix, seed=SEED)  # the local prefix-cache hit
+    req = request(job["request_id"], n, params)
+    count, is_async = inst.scheduler.get_num_new_matched_tokens(req, prefix)
+    say({"matched": count, "async": is_async})
+    if count:
+        blocks = KVCacheBlocks(([KVCacheBlock(int(b)) for b in table],))
+        inst.scheduler.update_state_after_alloc(req, blocks, count)
+    deadline = time.monotonic() + job["wait_s"]
+    outcome, failed, bad = "timeout", set(), set()
+    while time.monotonic() < deadline:
+        _, recving, failed_now, bad_now = inst.step()
+        failed |= failed_now
+        bad |= bad_now
+        if job["request_id"] in recving or not count:
+            outcome = "failed" if job["request_id"] in failed else "loaded"
+            break
+        time.sleep(0.01)
+    mismatched = [m for c in inst.caches for m in c.mismatched_tokens(table, 0, n, seed=SEED)]
+    stats = [w.get_kv_connector_stats() for w in inst.workers]
+    say(
+        {
+            "outcome": outcome,
+            "mismatched": mismatched[:5],
+            "bad_blocks": sorted(bad),
+            "suffix_blocks": sorted(int(b) for b in table[prefix // bs :]),
+            "stats": [s.data if s else {} for s in stats],
+            "do_remote_prefill": req.kv_transfer_params.get("do_remote_prefill"),
+        }
+    )
+    inst.shutdown()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
+    job = json.loads(sys.argv[1])
+    threading.current_thread().name = job["role"]
+    if job["role"] == "kv_producer":
+        run_prefill(job)
+    else:
+        run_decode(job, json.loads(sys.stdin.readline()))
+
+
+if __name__ == "__main__":
+    main()
