@@ -12,36 +12,46 @@ PROC = Path(__file__).with_name("pd_proc.py")
 _ports = itertools.count(20000 + (os.getpid() % 2000) * 10, 10)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
+def make_tiny_model(path: Path, **overrides) -> str:
     """A GLM-5.x-style config (6 layers, full layers 0-2 by index_topk_freq 4 / offset 3, one MTP layer)."""
     from transformers import AutoConfig
 
-    path = tmp_path_factory.mktemp("glm5-tiny")
-    AutoConfig.for_model(
-        "glm_moe_dsa",
-        num_hidden_layers=6,
-        hidden_size=256,
-        num_attention_heads=4,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        q_lora_rank=128,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
-        index_head_dim=128,
-        index_n_heads=2,
-        index_topk=64,
-        index_topk_freq=4,
-        index_skip_topk_offset=3,
-        num_nextn_predict_layers=1,
-        vocab_size=512,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096,
-    ).save_pretrained(path)
+    fields = {
+        "num_hidden_layers": 6,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 128,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "index_head_dim": 128,
+        "index_n_heads": 2,
+        "index_topk": 64,
+        "index_topk_freq": 4,
+        "index_skip_topk_offset": 3,
+        "num_nextn_predict_layers": 1,
+        "vocab_size": 512,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 4096,
+    }
+    fields.update(overrides)
+    AutoConfig.for_model("glm_moe_dsa", **fields).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("glm5-tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_other_layers(tmp_path_factory) -> str:
+    """The same model with every layer full: a different indexer layer set, a byte-relevant difference."""
+    return make_tiny_model(tmp_path_factory.mktemp("glm5-tiny-all-full"), index_topk_freq=1)
 
 
 class Proc:
@@ -98,7 +108,7 @@ def pd(tiny_model, tmp_path):
             "wait_s": 60.0,
             "tokens": 1000,
             "prefix_tokens": 0,
-            "request_id": "req-1",
+            "requests": ["req-1"],
             "module_path": "glm_pd_vllm.connector",
             **kw,
         }

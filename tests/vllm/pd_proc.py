@@ -7,8 +7,8 @@ layer, ``[num_blocks, 1, block_size, 656]`` main and ``[num_blocks, 1, block_siz
 double: the model forward itself (no GPU here): prefill's "compute" writes layout-valid token bytes into
 the request's blocks, as the attention kernels would.
 
-Run: ``python pd_proc.py JOB_JSON``; prefill prints its kv_transfer_params, then the outcome; decode reads
-params on stdin. Lines are marked ``PD``.
+Run: ``python pd_proc.py JOB_JSON``; prefill prints the kv_transfer_params of its requests, then which
+it freed; decode reads the params on stdin and prints each request's outcome. Lines are marked ``PD``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request, RequestStatus
 
-from glm_pd_common.geometry import ModelGeometry
 from glm_pd_common.hostmem import HostCaches
-from glm_pd_common.spec import CacheSpec
+from glm_pd_vllm.config import GlmPdVllmConfig
+from glm_pd_vllm.params import cache_spec
 
 SEED = 5
 
@@ -98,7 +98,9 @@ class Instance:
         self.workers = [
             KVConnectorFactory.create_connector(c, KVConnectorRole.WORKER, kv_cache_config) for c in configs
         ]
-        spec = CacheSpec.create(ModelGeometry.from_config(job["model"]), "fp8_ds_mla")
+        spec = cache_spec(
+            configs[0], GlmPdVllmConfig.from_extra(configs[0].kv_transfer_config.kv_connector_extra_config)
+        )
         self.caches = [HostCaches(spec, page_tokens=job["block_size"], num_pages=job["num_blocks"]) for _ in configs]
         for worker, caches in zip(self.workers, self.caches, strict=True):
             worker.register_kv_caches(kv_caches(caches))
@@ -139,27 +141,33 @@ def request(rid: str, num_tokens: int, params: dict) -> Request:
     return Request(rid, list(range(num_tokens)), sp, None)
 
 
+def tables(job: dict, seed: int) -> list[np.ndarray]:
+    """Disjoint random block tables, one per request, as an allocator under load hands them out."""
+    per = -(-job["tokens"] // job["block_size"])
+    pool = np.random.default_rng(seed).permutation(job["num_blocks"])
+    return [pool[i * per : (i + 1) * per] for i in range(len(job["requests"]))]
+
+
 def run_prefill(job: dict) -> None:
     inst = Instance(job)
     n = job["tokens"]
-    rng = np.random.default_rng(1)
-    table = rng.permutation(job["num_blocks"])[: -(-n // job["block_size"])]
-    for caches in inst.caches:  # every TP rank computes the same replicated MLA/indexer caches
-        caches.write_tokens(table, 0, n, seed=SEED)
-    req = request(job["request_id"], n, {"do_remote_decode": True})
-    req.num_computed_tokens = n
-    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    delay, params = inst.scheduler.request_finished_all_groups(req, (table.tolist(),))
-    say({"delay_free": delay, "params": params})
+    params = []
+    for rid, table in zip(job["requests"], tables(job, 1), strict=True):
+        for caches in inst.caches:  # every TP rank computes the same replicated MLA/indexer caches
+            caches.write_tokens(table, 0, n, seed=SEED)
+        req = request(rid, n, {"do_remote_decode": True})
+        req.num_computed_tokens = n
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, p = inst.scheduler.request_finished_all_groups(req, (table.tolist(),))
+        assert delay
+        params.append(p)
+    say({"params": params})
     deadline = time.monotonic() + job["wait_s"]
-    outcome = "timeout"
-    while time.monotonic() < deadline:
-        sending, _, _, _ = inst.step()
-        if job["request_id"] in sending:
-            outcome = "freed"
-            break
+    freed: set[str] = set()
+    while time.monotonic() < deadline and len(freed) < len(params):
+        freed |= inst.step()[0]
         time.sleep(0.01)
-    say({"outcome": outcome, "elapsed_s": job["wait_s"] - (deadline - time.monotonic())})
+    say({"freed": sorted(freed), "elapsed_s": job["wait_s"] - (deadline - time.monotonic())})
     linger = time.monotonic() + job.get("linger_s", 0)  # keep serving: a late decode must get an answer
     while time.monotonic() < linger:
         inst.step()
@@ -167,40 +175,40 @@ def run_prefill(job: dict) -> None:
     inst.shutdown()
 
 
-def run_decode(job: dict, params: dict) -> None:
+def run_decode(job: dict, params: list[dict]) -> None:
     inst = Instance(job)
     n, prefix, bs = job["tokens"], job["prefix_tokens"], job["block_size"]
-    table = np.random.default_rng(2).permutation(job["num_blocks"])[: -(-n // bs)]
-    for caches in inst.caches:
-        caches.write_tokens(table, 0, prefix, seed=SEED)  # the local prefix-cache hit
-    req = request(job["request_id"], n, params)
-    count, is_async = inst.scheduler.get_num_new_matched_tokens(req, prefix)
-    say({"matched": count, "async": is_async})
-    if count:
-        blocks = KVCacheBlocks(([KVCacheBlock(int(b)) for b in table],))
-        inst.scheduler.update_state_after_alloc(req, blocks, count)
+    reqs, matched = {}, {}
+    for p, table in zip(params, tables(job, 2), strict=True):
+        rid = p.get("remote_request_id", "r")
+        for caches in inst.caches:
+            caches.write_tokens(table, 0, prefix, seed=SEED)  # the local prefix-cache hit
+        req = request(rid, n, p)
+        count, is_async = inst.scheduler.get_num_new_matched_tokens(req, prefix)
+        matched[rid] = [count, is_async]
+        if count:
+            inst.scheduler.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(int(b)) for b in table],)), count)
+        reqs[rid] = (req, table, count)
+    say({"matched": matched})
     deadline = time.monotonic() + job["wait_s"]
-    outcome, failed, bad = "timeout", set(), set()
-    while time.monotonic() < deadline:
+    done, failed, bad = set(), set(), set()
+    waiting = {rid for rid, (_, _, count) in reqs.items() if count}
+    while time.monotonic() < deadline and not waiting <= done:
         _, recving, failed_now, bad_now = inst.step()
+        done |= recving
         failed |= failed_now
         bad |= bad_now
-        if job["request_id"] in recving or not count:
-            outcome = "failed" if job["request_id"] in failed else "loaded"
-            break
         time.sleep(0.01)
-    mismatched = [m for c in inst.caches for m in c.mismatched_tokens(table, 0, n, seed=SEED)]
-    stats = [w.get_kv_connector_stats() for w in inst.workers]
-    say(
-        {
-            "outcome": outcome,
-            "mismatched": mismatched[:5],
-            "bad_blocks": sorted(bad),
+    out = {}
+    for rid, (req, table, _) in reqs.items():
+        out[rid] = {
+            "outcome": "timeout" if rid in waiting - done else "failed" if rid in failed else "loaded",
+            "mismatched": [m for c in inst.caches for m in c.mismatched_tokens(table, 0, n, seed=SEED)][:5],
             "suffix_blocks": sorted(int(b) for b in table[prefix // bs :]),
-            "stats": [s.data if s else {} for s in stats],
             "do_remote_prefill": req.kv_transfer_params.get("do_remote_prefill"),
         }
-    )
+    stats = [w.get_kv_connector_stats() for w in inst.workers]
+    say({"requests": out, "bad_blocks": sorted(bad), "stats": [s.data if s else {} for s in stats]})
     inst.shutdown()
 
 
@@ -211,7 +219,7 @@ def main() -> None:
     if job["role"] == "kv_producer":
         run_prefill(job)
     else:
-        run_decode(job, json.loads(sys.stdin.readline()))
+        run_decode(job, json.loads(sys.stdin.readline()))  # the router's relay of prefill's params
 
 
 if __name__ == "__main__":

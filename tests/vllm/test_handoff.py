@@ -4,57 +4,70 @@ import json
 
 import pytest
 
+TOKENS, BLOCK = 1000, 64
+MOVED_PER_TOKEN = 7 * 656 + 4 * 132  # tiny model: 6 layers + MTP main rows; layers 0-2 + MTP indexer rows
+
 
 def handoff(pd, prefill_kw=None, decode_kw=None, tamper=None):
     prefill = pd("kv_producer", **(prefill_kw or {}))
-    first = prefill.read()
-    assert first["delay_free"] is True
-    params = first["params"]
+    params = prefill.read()["params"]
     if tamper:
         tamper(params)
     decode = pd("kv_consumer", json.dumps(params), **(decode_kw or {}))
-    matched = decode.read()
+    matched = decode.read()["matched"]
     result = decode.read()
     result["logs"] = f"decode:\n{decode.log_tail()}\nprefill:\n{prefill.log_tail()}"
-    return prefill, decode, params, matched, result
+    return prefill, params, matched, result
+
+
+def moved_bytes(prefix):
+    return (-(-TOKENS // BLOCK) * BLOCK - prefix) * MOVED_PER_TOKEN  # blocks are copied whole
 
 
 @pytest.mark.parametrize("prefix", [0, 384])
 def test_suffix_moves_byte_exact_and_prefill_frees(pd, prefix):
-    prefill, _, params, matched, result = handoff(pd, decode_kw={"prefix_tokens": prefix})
-    assert params["remote_num_tokens"] == 1000 and params["remote_page_tokens"] == 64
-    assert matched == {"matched": 1000 - prefix, "async": True}
-    assert result["outcome"] == "loaded", result
-    assert result["mismatched"] == []
-    assert result["bad_blocks"] == []
-    assert result["do_remote_prefill"] is False  # a preempted request would not load twice
+    prefill, params, matched, result = handoff(pd, decode_kw={"prefix_tokens": prefix})
+    (p,) = params
+    assert p["remote_num_tokens"] == TOKENS and p["remote_page_tokens"] == BLOCK and p["tp_size"] == 1
+    assert matched == {"req-1": [TOKENS - prefix, True]}
+    r = result["requests"]["req-1"]
+    assert r["outcome"] == "loaded", result
+    assert r["mismatched"] == [] and result["bad_blocks"] == []
+    assert r["do_remote_prefill"] is False  # a preempted request would not load twice
     (stats,) = result["stats"]
-    suffix_tokens = 1000 - prefix  # blocks are whole: the last block is copied whole
-    moved_tokens = -(-1000 // 64) * 64 - prefix
-    assert stats["bytes_main"] == 7 * 656 * moved_tokens and stats["bytes_indexer"] == 4 * 132 * moved_tokens
-    assert suffix_tokens <= moved_tokens
-    assert prefill.read()["outcome"] == "freed"
+    assert stats["bytes_main"] + stats["bytes_indexer"] == moved_bytes(prefix)
+    assert stats["bytes_indexer"] == (-(-TOKENS // BLOCK) * BLOCK - prefix) * 4 * 132
+    assert prefill.read()["freed"] == ["req-1"]
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 def test_tp_mismatch_each_decode_rank_reads_one_whole_copy(pd, p_tp, d_tp):
-    prefill, _, params, _, result = handoff(pd, prefill_kw={"tp": p_tp}, decode_kw={"tp": d_tp, "prefix_tokens": 128})
-    assert params["tp_size"] == p_tp
-    assert result["outcome"] == "loaded", result
-    assert result["mismatched"] == []
-    moved = (-(-1000 // 64) * 64 - 128) * (7 * 656 + 4 * 132)
-    assert [s["bytes_main"] + s["bytes_indexer"] for s in result["stats"]] == [moved] * d_tp
-    assert prefill.read()["outcome"] == "freed"  # every prefill rank, dummies too, released
+    prefill, params, _, result = handoff(pd, prefill_kw={"tp": p_tp}, decode_kw={"tp": d_tp, "prefix_tokens": 128})
+    assert params[0]["tp_size"] == p_tp
+    r = result["requests"]["req-1"]
+    assert r["outcome"] == "loaded", result
+    assert r["mismatched"] == []  # every decode rank's caches checked
+    assert [s["bytes_main"] + s["bytes_indexer"] for s in result["stats"]] == [moved_bytes(128)] * d_tp
+    assert prefill.read()["freed"] == ["req-1"]  # on every prefill rank, dummies included
 
 
-def test_scale_format_mismatch_fails_cleanly_naming_the_field(pd):
-    prefill, _, _, _, result = handoff(
-        pd, prefill_kw={"lease_s": 3.0, "linger_s": 60}, decode_kw={"extra": {"indexer_scale_format": "ue8m0x4"}}
-    )
-    assert result["outcome"] == "failed"
-    assert "indexer_scale_format: prefill='fp32' decode D='ue8m0x4'" in result["logs"]
-    assert result["bad_blocks"] == result["suffix_blocks"]
-    assert prefill.read()["outcome"] == "freed"  # by lease expiry: decode never claimed
+@pytest.mark.parametrize(
+    ("decode_kw", "needle"),
+    [
+        ({"extra": {"indexer_scale_format": "ue8m0x4"}}, "indexer_scale_format: prefill='fp32' decode D='ue8m0x4'"),
+        ({"cache_dtype": "auto"}, "main_row_bytes: prefill=656 decode D=1152"),
+        ("other_layers", "full_indexer_layers: prefill=(0, 1, 2) decode D=(0, 1, 2, 3, 4, 5)"),
+    ],
+)
+def test_fingerprint_mismatch_fails_cleanly_naming_the_field(pd, tiny_model_other_layers, decode_kw, needle):
+    if decode_kw == "other_layers":
+        decode_kw = {"model": tiny_model_other_layers}
+    prefill, _, _, result = handoff(pd, prefill_kw={"lease_s": 3.0, "linger_s": 60}, decode_kw=decode_kw)
+    r = result["requests"]["req-1"]
+    assert r["outcome"] == "failed"
+    assert needle in result["logs"]
+    assert result["bad_blocks"] == r["suffix_blocks"]
+    assert prefill.read()["freed"] == ["req-1"]  # by lease expiry: decode never claimed
 
 
 @pytest.mark.parametrize(
@@ -66,24 +79,30 @@ def test_scale_format_mismatch_fails_cleanly_naming_the_field(pd):
         ([], "remote_block_ids for 1000 tokens"),
     ],
 )
-def test_bad_remote_block_ids_fail_before_anything_moves(pd, bad, reason):
+def test_bad_block_ids_fail_before_anything_moves_and_the_next_request_works(pd, bad, reason):
     def tamper(params):
-        params["remote_block_ids"] = params["remote_block_ids"][:-1] + bad
+        params[0]["remote_block_ids"] = params[0]["remote_block_ids"][:-1] + bad
 
-    prefill, _, _, _, result = handoff(pd, prefill_kw={"lease_s": 3.0, "linger_s": 60}, tamper=tamper)
-    assert result["outcome"] == "failed"
+    prefill, _, _, result = handoff(
+        pd,
+        prefill_kw={"lease_s": 20.0, "linger_s": 60, "requests": ["bad", "good"]},
+        decode_kw={"requests": ["bad", "good"]},
+        tamper=tamper,
+    )
+    assert result["requests"]["bad"]["outcome"] == "failed"
     assert reason in result["logs"]
-    assert prefill.read()["outcome"] == "freed"
+    assert result["requests"]["good"]["outcome"] == "loaded", result
+    assert result["requests"]["good"]["mismatched"] == []
+    assert prefill.read()["freed"] == ["bad", "good"]  # "bad" by abort or expiry, "good" by release
 
 
 def test_expired_lease_fails_the_request(pd):
     prefill = pd("kv_producer", lease_s=1.0, wait_s=30.0, linger_s=60)
     params = prefill.read()["params"]
-    assert prefill.read()["outcome"] == "freed"  # the lease ran out with nobody claiming
+    assert prefill.read()["freed"] == ["req-1"]  # the lease ran out with nobody claiming
     decode = pd("kv_consumer", json.dumps(params))
     decode.read()
-    result = decode.read()
-    assert result["outcome"] == "failed"
+    assert decode.read()["requests"]["req-1"]["outcome"] == "failed"
     assert "lease on this request already ended: expired" in decode.log_tail()
 
 
@@ -93,5 +112,4 @@ def test_prefill_gone_fails_bounded(pd):
     prefill.close()
     decode = pd("kv_consumer", json.dumps(params), extra={"timeout_s": 3.0})
     decode.read()
-    result = decode.read(timeout=60)
-    assert result["outcome"] == "failed"
+    assert decode.read(timeout=60)["requests"]["req-1"]["outcome"] == "failed"
