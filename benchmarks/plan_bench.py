@@ -16,7 +16,6 @@ import numpy as np
 
 from glm_pd_common.capacity import AccountInputs, plan_for
 from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.pages import chunk_runs
 from glm_pd_common.plan import TransferPlan
 from glm_pd_common.spec import CacheSpec
 
@@ -27,16 +26,7 @@ def runs_min(plan: TransferPlan) -> int:
     """Fewest runs any correct plan can have: pieces minus continuations (hash join, not sort-and-merge)."""
     total = 0
     for entry in plan.entries:
-        s, d, n = chunk_runs(
-            plan.chunks,
-            entry.src.page_format,
-            plan.src_pages,
-            plan.dst_pages,
-            src_page_tokens=entry.src.page_tokens,
-            dst_page_tokens=entry.dst.page_tokens,
-            src_stride=entry.src.page_stride,
-            dst_stride=entry.dst.page_stride,
-        )
+        s, d, n = plan.chunk_runs(entry)
         starts = (s << 31) | d
         ends = ((s + n) << 31) | (d + n)
         total += int(s.size - np.isin(starts, ends).sum())

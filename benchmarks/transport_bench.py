@@ -12,13 +12,9 @@ Decode (this process) READs from a prefill peer process over loopback. Prints a 
 from __future__ import annotations
 
 import argparse
-import base64
 import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,10 +24,10 @@ from glm_pd_common.geometry import ModelGeometry
 from glm_pd_common.hostmem import HostCaches
 from glm_pd_common.pages import num_pages_for
 from glm_pd_common.plan import TransferPlan, build_plan
-from glm_pd_common.regions import build_regions
 from glm_pd_common.spec import CacheSpec
-from glm_pd_common.transport.base import Span, Transport, TransportConfig, create_transport
+from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
 from glm_pd_common.transport.flat import FLAT_LAYER_ID, flat_region
+from glm_pd_common.transport.peerproc import PeerProcess
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
 PAGE_TOKENS = 64
@@ -44,47 +40,6 @@ def fragmented(num_pages: int, pool: int, rng: np.random.Generator) -> np.ndarra
     extents = [np.arange(a, b) for a, b in itertools.pairwise(edges)]
     order = rng.permutation(len(extents))
     return np.concatenate([extents[i] for i in order])[:num_pages]
-
-
-class PeerProcess:
-    def __init__(self, backend: str, num_pages: int, table: np.ndarray, tokens: int, flat_bytes: int) -> None:
-        job = {
-            "backend": backend,
-            "page_tokens": PAGE_TOKENS,
-            "num_pages": num_pages,
-            "table": table.tolist(),
-            "tokens": tokens,
-            "fill": True,
-            "seed": 1,
-            "flat_bytes": flat_bytes,
-            "timeout_s": 120,
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "glm_pd_common.transport.peerproc", json.dumps(job)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        hello = self.read()
-        self.metadata = base64.b64decode(hello["metadata"])
-        self.announced = hello["regions"]
-        self.spans = [Span(f"{k}[{lay}]", base, size) for k, lay, base, size in self.announced]
-
-    def read(self) -> dict:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            if line.startswith("PEER "):
-                return json.loads(line[5:])
-        raise RuntimeError(f"peer exited (rc {self.proc.poll()})")
-
-    def ask(self, cmd: dict) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        return self.read()
-
-    def close(self) -> None:
-        self.ask({"exit": True})
-        self.proc.wait(timeout=60)
 
 
 def timed(
@@ -120,7 +75,19 @@ def bench_backend(backend: str, tokens: int, repeats: int, seed: int) -> list[di
     nbytes = HostCaches.bytes_needed(SPEC, page_tokens=PAGE_TOKENS, num_pages=pages)
     rows = []
     for layout, (p_table, d_table) in tables.items():
-        peer = PeerProcess(backend, pool, p_table, tokens, flat_bytes=nbytes if layout == "fragmented" else 0)
+        peer = PeerProcess(
+            {
+                "backend": backend,
+                "page_tokens": PAGE_TOKENS,
+                "num_pages": pool,
+                "table": p_table.tolist(),
+                "tokens": tokens,
+                "fill": True,
+                "seed": 1,
+                "flat_bytes": nbytes if layout == "fragmented" else 0,
+                "timeout_s": 120,
+            }
+        )
         local = HostCaches(SPEC, page_tokens=PAGE_TOKENS, num_pages=pool)
         regions = list(local.regions)
         flat = np.zeros(nbytes, dtype=np.uint8) if layout == "fragmented" else None
@@ -130,22 +97,8 @@ def bench_backend(backend: str, tokens: int, repeats: int, seed: int) -> list[di
         transport = create_transport("bench", TransportConfig(backend=backend, allow_tcp=True, timeout_s=120))
         transport.register(regions)
         agent = transport.add_peer(peer.metadata, peer.spans)
-        peer.ask(
-            {
-                "add_peer": base64.b64encode(transport.metadata()).decode(),
-                "spans": [[r.kind, r.layer_id, r.base_addr, r.size_bytes] for r in regions],
-            }
-        )
-        addrs = {(k, lay): base for k, lay, base, _ in peer.announced if lay != FLAT_LAYER_ID}
-        src_regions = build_regions(
-            SPEC.geometry,
-            SPEC.row,
-            SPEC.indexer,
-            page_tokens=PAGE_TOKENS,
-            num_pages=pool,
-            main_addrs={lay: a for (k, lay), a in addrs.items() if k == "main"},
-            indexer_addrs={lay: a for (k, lay), a in addrs.items() if k == "indexer"},
-        )
+        peer.introduce(transport.metadata(), regions)
+        src_regions = peer.cache_regions()
         plan = build_plan(src_regions, local.regions, p_table, d_table, num_tokens=tokens, prefix_tokens=0)
         cases = {f"coalesced_{layout}": plan.absolute_runs()}
         if flat is not None:

@@ -12,7 +12,6 @@ import numpy as np
 import xxhash
 
 from glm_pd_common.errors import ChecksumMismatch
-from glm_pd_common.pages import chunk_runs
 from glm_pd_common.plan import RegionRuns, TransferPlan
 
 
@@ -49,16 +48,7 @@ def page_digests(plan: TransferPlan, entry_index: int, side: str) -> list[int]:
     """Per destination page of one region pair: a digest of the bytes that land in that page."""
     entry = plan.entries[entry_index]
     fmt, chunks = entry.src.page_format, plan.chunks
-    src, dst, lengths = chunk_runs(
-        chunks,
-        fmt,
-        plan.src_pages,
-        plan.dst_pages,
-        src_page_tokens=entry.src.page_tokens,
-        dst_page_tokens=entry.dst.page_tokens,
-        src_stride=entry.src.page_stride,
-        dst_stride=entry.dst.page_stride,
-    )
+    src, dst, lengths = plan.chunk_runs(entry)
     base, _ = _side(entry, side)
     offsets = src if side == "src" else dst
     segments = len(fmt.segment_bytes_per_token)

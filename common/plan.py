@@ -73,6 +73,19 @@ class TransferPlan:
             groups.setdefault(e.src.layer_id, []).append(e)
         return list(groups.items())
 
+    def chunk_runs(self, entry: RegionRuns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The entry's runs before coalescing (one per chunk and segment), offsets from each region's base."""
+        return chunk_runs(
+            self.chunks,
+            entry.src.page_format,
+            self.src_pages,
+            self.dst_pages,
+            src_page_tokens=entry.src.page_tokens,
+            dst_page_tokens=entry.dst.page_tokens,
+            src_stride=entry.src.page_stride,
+            dst_stride=entry.dst.page_stride,
+        )
+
     def absolute_runs(self, entries: list[RegionRuns] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(src address, dst address, length)`` of the given entries (default: all), in plan order."""
         chosen = list(self.entries) if entries is None else entries

@@ -82,3 +82,64 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class PeerProcess:
+    """The driving side: starts a peer process and talks to it (used by the tests and the benchmark)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        import os
+        import subprocess
+
+        self.job = job
+        cmd = [sys.executable, "-m", "glm_pd_common.transport.peerproc", json.dumps(job)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        hello = self.read()
+        self.metadata = base64.b64decode(hello["metadata"])
+        self.announced: list[list[Any]] = hello["regions"]
+        self.spans = [Span(f"{k}[{lay}]", base, size) for k, lay, base, size in self.announced]
+
+    def cache_regions(self) -> list[Region]:
+        """The peer's GLM-5.3 cache regions as plan inputs (the flat buffer, if any, left out)."""
+        from glm_pd_common.regions import build_regions
+        from glm_pd_common.transport.flat import FLAT_LAYER_ID
+
+        spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
+        addrs = {(k, lay): base for k, lay, base, _ in self.announced if lay != FLAT_LAYER_ID}
+        return build_regions(
+            spec.geometry,
+            spec.row,
+            spec.indexer,
+            page_tokens=self.job["page_tokens"],
+            num_pages=self.job["num_pages"],
+            main_addrs={lay: a for (k, lay), a in addrs.items() if k == "main"},
+            indexer_addrs={lay: a for (k, lay), a in addrs.items() if k == "indexer"},
+        )
+
+    def read(self) -> dict[str, Any]:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("PEER "):
+                return json.loads(line[5:])
+        raise RuntimeError(f"peer exited (rc {self.proc.poll()})")
+
+    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.read()
+
+    def introduce(self, metadata: bytes, regions: list[Region]) -> dict[str, Any]:
+        """Give the peer our transport metadata and regions (what a hello carries)."""
+        spans = [[r.kind, r.layer_id, r.base_addr, r.size_bytes] for r in regions]
+        return self.ask({"add_peer": base64.b64encode(metadata).decode(), "spans": spans})
+
+    def close(self) -> int:
+        """Ask the peer to release everything and exit; returns its exit code (killed if it hangs)."""
+        try:
+            if self.proc.poll() is None and self.ask({"exit": True}) == {"closed": True}:
+                return self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

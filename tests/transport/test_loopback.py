@@ -6,11 +6,8 @@ this machine has no RDMA NIC.
 """
 
 import base64
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import msgspec
@@ -22,79 +19,38 @@ from glm_pd_common.geometry import ModelGeometry
 from glm_pd_common.hostmem import HostCaches
 from glm_pd_common.pages import num_pages_for, suffix_pages
 from glm_pd_common.plan import build_plan
-from glm_pd_common.regions import build_regions
 from glm_pd_common.spec import CacheSpec
-from glm_pd_common.transport.base import Span, TransportConfig, create_transport, rdma_devices
+from glm_pd_common.transport.base import TransportConfig, create_transport, rdma_devices
+from glm_pd_common.transport.peerproc import PeerProcess
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
 SEED = 11
 
 
-class Peer:
+class Peer(PeerProcess):
     def __init__(self, backend, page_tokens, num_pages, table, tokens, fill):
-        job = {
-            "backend": backend,
-            "page_tokens": page_tokens,
-            "num_pages": num_pages,
-            "table": list(map(int, table)),
-            "tokens": tokens,
-            "fill": fill,
-            "seed": SEED,
-        }
-        cmd = [sys.executable, "-m", "glm_pd_common.transport.peerproc", json.dumps(job)]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        super().__init__(
+            {
+                "backend": backend,
+                "page_tokens": page_tokens,
+                "num_pages": num_pages,
+                "table": list(map(int, table)),
+                "tokens": tokens,
+                "fill": fill,
+                "seed": SEED,
+            }
         )
-        hello = self.read()
-        self.metadata = base64.b64decode(hello["metadata"])
-        self.spans = [Span(f"{k}[{lay}]", base, size) for k, lay, base, size in hello["regions"]]
-        addrs = {(k, lay): base for k, lay, base, _ in hello["regions"]}
-        self.regions = build_regions(
-            SPEC.geometry,
-            SPEC.row,
-            SPEC.indexer,
-            page_tokens=page_tokens,
-            num_pages=num_pages,
-            main_addrs={lay: a for (k, lay), a in addrs.items() if k == "main"},
-            indexer_addrs={lay: a for (k, lay), a in addrs.items() if k == "indexer"},
-        )
-
-    def read(self, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"peer exited (rc {self.proc.poll()})")
-            if line.startswith("PEER "):
-                return json.loads(line[5:])
-        raise TimeoutError("peer did not answer")
-
-    def ask(self, cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
+        self.regions = self.cache_regions()
 
     def close(self):
-        if self.proc.poll() is None:
-            try:
-                assert self.ask({"exit": True}) == {"closed": True}
-                assert self.proc.wait(timeout=30) == 0
-            finally:
-                if self.proc.poll() is None:
-                    self.proc.kill()
-                    self.proc.wait()
+        assert super().close() == 0  # a clean release: the peer closed its transport and exited 0
 
 
 def local_transport(backend, caches, peer, name="local"):
     t = create_transport(name, TransportConfig(backend=backend, allow_tcp=True, timeout_s=30))
     t.register(caches.regions)
     agent = t.add_peer(peer.metadata, peer.spans)
-    assert peer.ask(
-        {
-            "add_peer": base64.b64encode(t.metadata()).decode(),
-            "spans": [[r.kind, r.layer_id, r.base_addr, r.size_bytes] for r in caches.regions],
-        }
-    ) == {"added": name}
+    assert peer.introduce(t.metadata(), caches.regions) == {"added": name}
     return t, agent
 
 
