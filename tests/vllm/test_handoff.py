@@ -85,7 +85,7 @@ def test_bad_block_ids_fail_before_anything_moves_and_the_next_request_works(pd,
 
     prefill, _, _, result = handoff(
         pd,
-        prefill_kw={"lease_s": 20.0, "linger_s": 60, "requests": ["bad", "good"]},
+        prefill_kw={"lease_s": 45.0, "linger_s": 60, "requests": ["bad", "good"]},
         decode_kw={"requests": ["bad", "good"]},
         tamper=tamper,
     )
