@@ -34,9 +34,16 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        from glm_pd_common.errors import ConfigError
         from glm_pd_vllm.config import GlmPdVllmConfig
         from glm_pd_vllm.params import cache_spec
 
+        if self._kv_transfer_config.kv_role not in ("kv_producer", "kv_consumer"):
+            # one rank would run both services on one transport agent, which is not thread-safe
+            raise ConfigError(
+                f"GlmPdConnector is a PD connector: kv_role must be kv_producer (prefill) or kv_consumer "
+                f"(decode), got {self._kv_transfer_config.kv_role!r}"
+            )
         config = GlmPdVllmConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         spec = cache_spec(vllm_config, config)
         engine_id = str(self._kv_transfer_config.engine_id)

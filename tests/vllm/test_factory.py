@@ -57,3 +57,9 @@ def test_wrong_type_is_an_error(tiny_model):
     config = make_config(tiny_model, extra={"lease_s": "long"})
     with pytest.raises(ConfigError, match="lease_s"):
         KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_kv_both_is_refused(tiny_model):
+    config = make_config(tiny_model, role="kv_both")
+    with pytest.raises(ConfigError, match="kv_role must be kv_producer"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config())

@@ -40,6 +40,16 @@ def test_suffix_moves_byte_exact_and_prefill_frees(pd, prefix):
     assert prefill.read()["freed"] == ["req-1"]
 
 
+def test_mooncake_transport_through_the_connector(pd):
+    mooncake = {"extra": {"transport": "mooncake"}}
+    prefill, _, _, result = handoff(pd, prefill_kw=mooncake, decode_kw={**mooncake, "prefix_tokens": 256})
+    r = result["requests"]["req-1"]
+    assert r["outcome"] == "loaded", result
+    assert r["mismatched"] == []
+    assert result["stats"][0]["bytes_main"] + result["stats"][0]["bytes_indexer"] == moved_bytes(256)
+    assert prefill.read()["freed"] == ["req-1"]
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 def test_tp_mismatch_each_decode_rank_reads_one_whole_copy(pd, p_tp, d_tp):
     prefill, params, _, result = handoff(pd, prefill_kw={"tp": p_tp}, decode_kw={"tp": d_tp, "prefix_tokens": 128})
