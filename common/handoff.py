@@ -52,9 +52,5 @@ class Handoff:
             self.advance(HandoffState.FAILED, reason)
 
     @property
-    def done(self) -> bool:
-        return self.state in (HandoffState.SUCCESS, HandoffState.FAILED)
-
-    @property
     def states(self) -> list[str]:
         return [name for name, _ in self.history]

@@ -116,10 +116,6 @@ class HostCaches:
             mem_kind=mem_kind,
         )
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers.values())
-
     @staticmethod
     def bytes_needed(spec: CacheSpec, *, page_tokens: int, num_pages: int) -> int:
         g = spec.geometry
