@@ -19,16 +19,13 @@ import numpy as np
 from glm_pd_common import protocol
 from glm_pd_common.checksum import mismatched_regions, verify
 from glm_pd_common.errors import GlmPdError, ProtocolError
-from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape
+from glm_pd_common.fingerprint import PROTOCOL_VERSION
 from glm_pd_common.handoff import Handoff, HandoffState
 from glm_pd_common.pages import suffix_pages
-from glm_pd_common.peer import PeerView, accept_hello, make_hello
+from glm_pd_common.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.plan import TransferPlan, build_plan
-from glm_pd_common.regions import Region
 from glm_pd_common.sidechannel import SideChannelClient
-from glm_pd_common.spec import CacheSpec
 from glm_pd_common.tp import release_group, source_rank
-from glm_pd_common.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -85,26 +82,18 @@ class _Peer:
 class DecodeService:
     def __init__(
         self,
-        engine_id: str,
-        spec: CacheSpec,
-        regions: list[Region],
-        transport: Transport,
-        shape: PeerShape,
+        local: Endpoint,
         *,
         timeout_s: float,
         verify_digests: bool,
     ) -> None:
-        self.engine_id = engine_id
-        self.spec = spec
-        self.regions = regions
-        self.transport = transport
-        self.shape = shape
+        self.local = local
         self.timeout_s = timeout_s
         self.verify_digests = verify_digests
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"glm-pd-decode-{engine_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"glm-pd-decode-{local.engine_id}", daemon=True)
         self._thread.start()
 
     # -- engine-facing, thread-safe ---------------------------------------------------------------
@@ -142,10 +131,10 @@ class DecodeService:
         handoff = Handoff(job.request_id)
         result = LoadResult(job.request_id, ok=False)
         remote = job.remote
-        group = release_group(self.shape.tp_rank, remote.tp_size, self.shape.tp_size)
+        group = release_group(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
         try:
             if job.read:
-                src_rank = source_rank(self.shape.tp_rank, remote.tp_size, self.shape.tp_size)
+                src_rank = source_rank(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
                 peer = self._peer(remote, src_rank)
                 handoff.advance(HandoffState.WAITING_FOR_INPUT)
                 plan = self._plan(job, peer.view, result)
@@ -158,7 +147,7 @@ class DecodeService:
                         prefix_tokens=job.prefix_tokens,
                         src_pages=plan.src_pages.tolist(),
                         dst_pages=plan.dst_pages.tolist(),
-                        dst_engine_id=self.engine_id,
+                        dst_engine_id=self.local.engine_id,
                         verify=self.verify_digests,
                     ),
                     job.lease_id,
@@ -184,14 +173,14 @@ class DecodeService:
         return result
 
     def _plan(self, job: LoadJob, view: PeerView, result: LoadResult) -> TransferPlan:
-        d_pt = self.shape.page_tokens
+        d_pt = self.local.shape.page_tokens
         src = suffix_pages(
             job.remote_pages, job.num_tokens, job.prefix_tokens, view.shape.page_tokens, align_tokens=d_pt
         )
         dst = suffix_pages(job.local_pages, job.num_tokens, job.prefix_tokens, d_pt, align_tokens=d_pt)
         t0 = time.perf_counter()
         plan = build_plan(
-            view.regions, self.regions, src, dst, num_tokens=job.num_tokens, prefix_tokens=job.prefix_tokens
+            view.regions, self.local.regions, src, dst, num_tokens=job.num_tokens, prefix_tokens=job.prefix_tokens
         )
         result.plan_ms = (time.perf_counter() - t0) * 1e3
         result.pages = {"prefill": int(src.size), "decode": int(dst.size)}
@@ -203,12 +192,12 @@ class DecodeService:
         posted = []
         try:
             for _, entries in plan.layers():
-                posted.append(self.transport.post_plan(peer.agent, plan, "READ", entries=entries))
+                posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
             for xfer in posted:
-                self.transport.wait(xfer, self.timeout_s)
+                self.local.transport.wait(xfer, self.timeout_s)
         finally:
             for xfer in posted:
-                self.transport.release(xfer)
+                self.local.transport.release(xfer)
         result.seconds = time.perf_counter() - t0
         result.bytes_by_kind = plan.bytes_by_kind()
         result.runs, result.runs_by_kind, result.batches = plan.num_runs, plan.runs_by_kind(), len(posted)
@@ -252,7 +241,7 @@ class DecodeService:
         for key in [k for k in self._peers if k[0] == remote.engine_id]:
             peer = self._peers.pop(key)
             peer.client.close()
-            self.transport.remove_peer(peer.agent)
+            self.local.transport.remove_peer(peer.agent)
 
     def _peer(self, remote: RemotePrefill, rank: int) -> _Peer:
         key = (remote.engine_id, rank)
@@ -260,29 +249,21 @@ class DecodeService:
             return self._peers[key]
         client = SideChannelClient(remote.host, remote.base_port + rank)
         try:
-            client.send(
-                make_hello(
-                    self.engine_id,
-                    self.spec,
-                    self.shape,
-                    self.regions,
-                    self.transport.backend,
-                    self.transport.agent_name,
-                    self.transport.metadata(),
-                )
-            )
+            client.send(self.local.hello(self.local.transport.metadata()))
             reply = client.recv(self.timeout_s)
             if isinstance(reply, protocol.Failed):
                 raise GlmPdError(f"prefill {remote.engine_id} rank {rank} refused the handshake: {reply.reason}")
             if not isinstance(reply, protocol.Hello):
                 raise ProtocolError(f"prefill {remote.engine_id} rank {rank} answered {type(reply).__name__}")
-            view = accept_hello(self.spec, reply, backend=self.transport.backend, role="prefill", local_role="decode")
+            view = accept_hello(
+                self.local.spec, reply, backend=self.local.transport.backend, role="prefill", local_role="decode"
+            )
             if view.engine_id != remote.engine_id or view.shape.tp_rank != rank:
                 raise ProtocolError(
                     f"{remote.host}:{remote.base_port + rank} is {view.engine_id} rank "
                     f"{view.shape.tp_rank}, not {remote.engine_id} rank {rank}"
                 )
-            agent = self.transport.add_peer(view.agent_metadata, view.spans)
+            agent = self.local.transport.add_peer(view.agent_metadata, view.spans)
         except Exception:
             client.close()
             raise

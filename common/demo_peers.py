@@ -24,6 +24,7 @@ from glm_pd_common.fingerprint import PeerShape
 from glm_pd_common.geometry import ModelGeometry
 from glm_pd_common.hostmem import HostCaches
 from glm_pd_common.pages import num_pages_for
+from glm_pd_common.peer import Endpoint
 from glm_pd_common.prefill_service import PrefillService
 from glm_pd_common.spec import CacheSpec
 from glm_pd_common.transport.base import TransportConfig, create_transport
@@ -70,12 +71,6 @@ def _caches(spec: CacheSpec, job: dict[str, Any], page_tokens: int, seed: int) -
     return HostCaches(spec, page_tokens=page_tokens, num_pages=pool), page_table(pages, pool, job["allocator"], seed)
 
 
-def _transport(job: dict[str, Any], name: str):
-    return create_transport(
-        name, TransportConfig(backend=job["transport"], allow_tcp=job["allow_tcp"], timeout_s=job["timeout_s"])
-    )
-
-
 MARK = "GLMPD "  # libraries log to stdout too; the reports are the lines carrying this mark
 
 
@@ -84,18 +79,23 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def run_prefill(job: dict[str, Any]) -> int:
-    spec = job_spec(job, "prefill")
-    caches, table = _caches(spec, job, job["prefill_page_tokens"], seed=1)
-    caches.write_tokens(table, 0, job["tokens"], seed=SEED)
-    transport = _transport(job, "prefill-0")
+def _endpoint(job: dict[str, Any], role: str, page_tokens: int) -> tuple[HostCaches, np.ndarray, Endpoint]:
+    """One side's caches (page table drawn per role), its registered transport, and its endpoint."""
+    spec = job_spec(job, role)
+    caches, table = _caches(spec, job, page_tokens, seed=1 if role == "prefill" else 2)
+    transport = create_transport(
+        f"{role}-0", TransportConfig(backend=job["transport"], allow_tcp=job["allow_tcp"], timeout_s=job["timeout_s"])
+    )
     transport.register(caches.regions)
+    return caches, table, Endpoint(f"{role}-0", spec, caches.regions, transport, PeerShape(page_tokens, 1, 0))
+
+
+def run_prefill(job: dict[str, Any]) -> int:
+    caches, table, local = _endpoint(job, "prefill", job["prefill_page_tokens"])
+    caches.write_tokens(table, 0, job["tokens"], seed=SEED)
+    transport = local.transport
     service = PrefillService(
-        "prefill-0",
-        spec,
-        caches.regions,
-        transport,
-        PeerShape(job["prefill_page_tokens"], 1, 0),
+        local,
         host="127.0.0.1",
         port=0,
         lease_s=job["lease_s"],
@@ -142,18 +142,12 @@ def memcpy_gbps(num_bytes: int) -> float:
 
 
 def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
-    spec = job_spec(job, "decode")
-    d_pt, n, prefix = job["decode_page_tokens"], params["num_tokens"], job["prefix_tokens"]
-    caches, table = _caches(spec, job, d_pt, seed=2)
+    n, prefix = params["num_tokens"], job["prefix_tokens"]
+    caches, table, local = _endpoint(job, "decode", job["decode_page_tokens"])
     caches.write_tokens(table, 0, prefix, seed=SEED)  # the prefix-cache hit decode already holds
-    transport = _transport(job, "decode-0")
-    transport.register(caches.regions)
+    transport = local.transport
     service = DecodeService(
-        "decode-0",
-        spec,
-        caches.regions,
-        transport,
-        PeerShape(d_pt, 1, 0),
+        local,
         timeout_s=job["timeout_s"],
         verify_digests=job["verify"],
     )

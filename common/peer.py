@@ -15,7 +15,7 @@ from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape, require_conve
 from glm_pd_common.layout import main_page_format
 from glm_pd_common.regions import Region, plan_order
 from glm_pd_common.spec import CacheSpec
-from glm_pd_common.transport.base import Span
+from glm_pd_common.transport.base import Span, Transport
 
 
 def make_hello(
@@ -50,6 +50,28 @@ def make_hello(
         agent_name=agent_name,
         agent_metadata=agent_metadata,
     )
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """This rank as the prefill and decode services see it: identity, caches, transport and shape."""
+
+    engine_id: str
+    spec: CacheSpec
+    regions: list[Region]
+    transport: Transport
+    shape: PeerShape
+
+    def hello(self, agent_metadata: bytes) -> protocol.Hello:
+        return make_hello(
+            self.engine_id,
+            self.spec,
+            self.shape,
+            self.regions,
+            self.transport.backend,
+            self.transport.agent_name,
+            agent_metadata,
+        )
 
 
 @dataclass(frozen=True)

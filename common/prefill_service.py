@@ -20,16 +20,13 @@ import numpy as np
 from glm_pd_common import protocol
 from glm_pd_common.checksum import page_digests, plan_digests
 from glm_pd_common.errors import GlmPdError
-from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape
+from glm_pd_common.fingerprint import PROTOCOL_VERSION
 from glm_pd_common.lease import LeaseTable
 from glm_pd_common.pages import suffix_pages
-from glm_pd_common.peer import PeerView, accept_hello, make_hello
+from glm_pd_common.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.plan import TransferPlan, build_plan
-from glm_pd_common.regions import Region
 from glm_pd_common.sidechannel import SideChannelServer
-from glm_pd_common.spec import CacheSpec
 from glm_pd_common.tp import expected_releases
-from glm_pd_common.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +49,14 @@ class _Decode:
 class PrefillService:
     def __init__(
         self,
-        engine_id: str,
-        spec: CacheSpec,
-        regions: list[Region],
-        transport: Transport,
-        shape: PeerShape,
+        local: Endpoint,
         *,
         host: str,
         port: int,
         lease_s: float,
         timeout_s: float,
     ) -> None:
-        self.engine_id = engine_id
-        self.spec = spec
-        self.regions = regions
-        self.transport = transport
-        self.shape = shape
+        self.local = local
         self.timeout_s = timeout_s
         self.server = SideChannelServer(host, port)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
@@ -78,7 +67,7 @@ class PrefillService:
         self._plans: dict[tuple[bytes, str], TransferPlan] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # recently ended leases, so late claims fail fast
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{engine_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{local.engine_id}", daemon=True)
         self._thread.start()
 
     @property
@@ -127,7 +116,7 @@ class PrefillService:
             if deadline < now:
                 del self._early_claims[request_id, ident]
                 self._fail(ident, request_id, "prefill holds no lease for this request")
-        self.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
+        self.local.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
         try:
             ident, msg = self.server.recv(timeout_s=0.002)
         except GlmPdError as exc:
@@ -138,7 +127,7 @@ class PrefillService:
 
     def _dispatch(self, ident: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Query):
-            self.server.send(ident, self._hello(b""))
+            self.server.send(ident, self.local.hello(b""))
         elif isinstance(msg, protocol.Hello):
             self._on_hello(ident, msg)
         elif ident not in self._decodes:
@@ -155,27 +144,18 @@ class PrefillService:
             pages = {i: page_digests(plan, i, "src") for i in wanted} if plan is not None else {}
             self.server.send(ident, protocol.PageDigests(v=PROTOCOL_VERSION, request_id=msg.request_id, pages=pages))
 
-    def _hello(self, metadata: bytes) -> protocol.Hello:
-        return make_hello(
-            self.engine_id,
-            self.spec,
-            self.shape,
-            self.regions,
-            self.transport.backend,
-            self.transport.agent_name,
-            metadata,
-        )
-
     def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
         try:
-            peer = accept_hello(self.spec, msg, backend=self.transport.backend, role="decode", local_role="prefill")
-            self.transport.add_peer(peer.agent_metadata, peer.spans)
+            peer = accept_hello(
+                self.local.spec, msg, backend=self.local.transport.backend, role="decode", local_role="prefill"
+            )
+            self.local.transport.add_peer(peer.agent_metadata, peer.spans)
         except GlmPdError as exc:
             logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
             self._fail(ident, "", str(exc))
             return
         self._decodes[ident] = _Decode(ident, peer)
-        self.server.send(ident, self._hello(self.transport.metadata()))
+        self.server.send(ident, self.local.hello(self.local.transport.metadata()))
 
     def _on_claim(self, ident: bytes, msg: protocol.TransferRequest) -> None:
         if msg.request_id in self._gone:
@@ -195,13 +175,13 @@ class PrefillService:
                 lease.pages,
                 msg.num_tokens,
                 msg.prefix_tokens,
-                self.shape.page_tokens,
+                self.local.shape.page_tokens,
                 align_tokens=decode.peer.shape.page_tokens,
             )
             if not np.array_equal(own, np.asarray(msg.src_pages, dtype=np.int64)):
                 raise GlmPdError(f"request {msg.request_id}: decode's source pages are not the pages it holds")
             plan = build_plan(
-                self.regions,
+                self.local.regions,
                 decode.peer.regions,
                 own,
                 np.asarray(msg.dst_pages, dtype=np.int64),
@@ -245,7 +225,7 @@ class PrefillService:
         self._drop_plans(msg.request_id)
 
     def _releases_from(self, decode: _Decode) -> int:
-        return expected_releases(self.shape.tp_rank, self.shape.tp_size, decode.peer.shape.tp_size)
+        return expected_releases(self.local.shape.tp_rank, self.local.shape.tp_size, decode.peer.shape.tp_size)
 
     def _fail(self, ident: bytes, request_id: str, reason: str) -> None:
         self.server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=reason))

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from glm_pd_common.decode_service import DecodeService, LoadJob, RemotePrefill
 from glm_pd_common.fingerprint import PeerShape
+from glm_pd_common.peer import Endpoint
 from glm_pd_common.prefill_service import PrefillService
 from glm_pd_common.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
@@ -94,14 +95,12 @@ class GlmPdWorker:
             ),
         )
         self.transport.register(regions)
-        shape = PeerShape(self.block_size, self.tp_size, self.tp_rank)
+        local = Endpoint(
+            self.engine_id, self.spec, regions, self.transport, PeerShape(self.block_size, self.tp_size, self.tp_rank)
+        )
         if self.is_producer:
             self.prefill = PrefillService(
-                self.engine_id,
-                self.spec,
-                regions,
-                self.transport,
-                shape,
+                local,
                 host=self.config.side_channel_host,
                 port=self.config.side_channel_port + self.tp_rank,
                 lease_s=self.config.lease_s,
@@ -109,11 +108,7 @@ class GlmPdWorker:
             )
         if self.is_consumer:
             self.decode = DecodeService(
-                self.engine_id,
-                self.spec,
-                regions,
-                self.transport,
-                shape,
+                local,
                 timeout_s=self.config.timeout_s,
                 verify_digests=self.config.verify_checksums,
             )
