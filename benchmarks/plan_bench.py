@@ -7,16 +7,15 @@ independently of the planner: the number of chunk pieces that no other piece con
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
 from glm_pd_common.capacity import AccountInputs, plan_for
 from glm_pd_common.geometry import ModelGeometry
 from glm_pd_common.plan import TransferPlan
+from glm_pd_common.report import emit_rows
 from glm_pd_common.spec import CacheSpec
 
 CASES = [(64, 64), (64, 32), (32, 64), (16, 128), (128, 16)]
@@ -70,18 +69,17 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/plan_bench.json")
     args = parser.parse_args()
     rows = bench(args.tokens, args.repeats)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=2))
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    print(f"{'P->D':>8} {'allocator':>10} {'ms (median)':>12} {'runs':>10} {'runs_min':>10} {'GB':>7}")
-    for r in rows:
-        print(
+    header = f"{'P->D':>8} {'allocator':>10} {'ms (median)':>12} {'runs':>10} {'runs_min':>10} {'GB':>7}"
+    emit_rows(
+        rows,
+        args.out,
+        as_json=args.json,
+        header=header,
+        line=lambda r: (
             f"{r['prefill_page_tokens']:>3}->{r['decode_page_tokens']:<4} {r['allocator']:>10} "
             f"{r['ms_median']:>12.2f} {r['runs']:>10,} {r['runs_min']:>10,} {r['bytes'] / 1e9:>7.2f}"
-        )
-    print(f"(JSON written to {args.out})")
+        ),
+    )
 
 
 if __name__ == "__main__":

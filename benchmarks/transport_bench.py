@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
 from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.hostmem import HostCaches
+from glm_pd_common.hostmem import HostCaches, memcpy_gbps
 from glm_pd_common.pages import num_pages_for
 from glm_pd_common.plan import TransferPlan, build_plan
+from glm_pd_common.report import emit_rows
 from glm_pd_common.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
 from glm_pd_common.transport.flat import FLAT_LAYER_ID, flat_region
@@ -127,25 +126,6 @@ def bench_backend(backend: str, tokens: int, repeats: int, seed: int) -> list[di
     return rows
 
 
-def memcpy_row(nbytes: int, repeats: int) -> dict:
-    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        seconds.append(time.perf_counter() - t0)
-    s = statistics.median(seconds)
-    return {
-        "transport": "memcpy",
-        "case": "one_run",
-        "bytes": nbytes,
-        "runs": 1,
-        "s_median": s,
-        "gbps_median": nbytes / s / 1e9,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16_384)
@@ -157,19 +137,28 @@ def main() -> None:
     rows = []
     for backend in args.transports.split(","):
         rows += bench_backend(backend, args.tokens, args.repeats, seed=7)
-    rows.append(memcpy_row(rows[0]["bytes"], args.repeats))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=2))
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    print(f"{'transport':>9} {'case':>22} {'runs':>8} {'MB':>8} {'ms':>9} {'GB/s':>7}")
-    for r in rows:
-        print(
+    nbytes, gbps = rows[0]["bytes"], memcpy_gbps(rows[0]["bytes"], args.repeats)
+    rows.append(
+        {
+            "transport": "memcpy",
+            "case": "one_run",
+            "bytes": nbytes,
+            "runs": 1,
+            "s_median": nbytes / gbps / 1e9,
+            "gbps_median": gbps,
+        }
+    )
+    header = f"{'transport':>9} {'case':>22} {'runs':>8} {'MB':>8} {'ms':>9} {'GB/s':>7}"
+    emit_rows(
+        rows,
+        args.out,
+        as_json=args.json,
+        header=header,
+        line=lambda r: (
             f"{r['transport']:>9} {r['case']:>22} {r['runs']:>8,} {r['bytes'] / 1e6:>8.1f} "
             f"{r['s_median'] * 1e3:>9.1f} {r['gbps_median']:>7.2f}"
-        )
-    print(f"(JSON written to {args.out})")
+        ),
+    )
 
 
 if __name__ == "__main__":

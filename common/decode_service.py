@@ -24,6 +24,7 @@ from glm_pd_common.handoff import Handoff, HandoffState
 from glm_pd_common.pages import suffix_pages
 from glm_pd_common.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.plan import TransferPlan, build_plan
+from glm_pd_common.queues import drain
 from glm_pd_common.sidechannel import SideChannelClient
 from glm_pd_common.tp import release_group, source_rank
 
@@ -101,12 +102,7 @@ class DecodeService:
         self._jobs.put(job)
 
     def results(self) -> list[LoadResult]:
-        out = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._results)
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -22,7 +22,7 @@ from glm_pd_common.decode_service import DecodeService, LoadJob, LoadResult, Rem
 from glm_pd_common.errors import GlmPdError
 from glm_pd_common.fingerprint import PeerShape
 from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.hostmem import HostCaches
+from glm_pd_common.hostmem import HostCaches, memcpy_gbps
 from glm_pd_common.pages import num_pages_for
 from glm_pd_common.peer import Endpoint
 from glm_pd_common.prefill_service import PrefillService
@@ -126,19 +126,6 @@ def run_prefill(job: dict[str, Any]) -> int:
         _emit({"role": "prefill", "outcome": outcome, "transport": dataclasses.asdict(transport.info())})
         transport.close()
     return 0 if outcome in ("released", "aborted") else 1
-
-
-def memcpy_gbps(num_bytes: int) -> float:
-    """Single-thread memcpy ceiling of this machine, measured now on ``num_bytes`` (capped at 512 MiB)."""
-    n = int(min(max(num_bytes, 1 << 20), 512 << 20))
-    src, dst = np.ones(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
-    np.copyto(dst, src)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return n / best / 1e9
 
 
 def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:

@@ -88,11 +88,16 @@ def require_match(
         raise LayoutMismatch(diffs, local=local_name, remote=remote_name)
 
 
+def check_shape(shape: PeerShape, *, side: str) -> None:
+    """A page size and TP shape the plan can convert from or to; anything else is refused with the value."""
+    check_page_tokens(shape.page_tokens, what=f"{side} page_tokens")
+    if shape.tp_size not in SUPPORTED_TP:
+        raise ConfigError(f"{side} tp_size must be one of {SUPPORTED_TP}, got {shape.tp_size}")
+    if not 0 <= shape.tp_rank < shape.tp_size:
+        raise ConfigError(f"{side} tp_rank {shape.tp_rank} is outside 0..{shape.tp_size - 1}")
+
+
 def require_convertible(prefill: PeerShape, decode: PeerShape) -> None:
-    """Page sizes and TP shapes the plan can convert between; anything else is refused with both values."""
-    for side, shape in (("prefill", prefill), ("decode", decode)):
-        check_page_tokens(shape.page_tokens, what=f"{side} page_tokens")
-        if shape.tp_size not in SUPPORTED_TP:
-            raise ConfigError(f"{side} tp_size must be one of {SUPPORTED_TP}, got {shape.tp_size}")
-        if not 0 <= shape.tp_rank < shape.tp_size:
-            raise ConfigError(f"{side} tp_rank {shape.tp_rank} is outside 0..{shape.tp_size - 1}")
+    """Both shapes must be ones the plan converts between (any supported pair converts)."""
+    check_shape(prefill, side="prefill")
+    check_shape(decode, side="decode")

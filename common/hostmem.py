@@ -8,6 +8,8 @@ that are not NaN, power-of-two scales, bf16 RoPE values.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from glm_pd_common.errors import ConfigError
@@ -167,3 +169,17 @@ class HostCaches:
                     count_first = wrong.setdefault(region.name, [0, int(hit[0])])
                     count_first[0] += int(hit.size)
         return [f"{name}: {n} token(s) differ, first token {first}" for name, (n, first) in wrong.items()]
+
+
+def memcpy_gbps(num_bytes: int, repeats: int = 3) -> float:
+    """Single-thread memcpy ceiling of this machine, measured now: best of ``repeats`` over ``num_bytes``
+    (at least 1 MiB, at most 512 MiB), on memory faulted in beforehand."""
+    n = int(min(max(num_bytes, 1 << 20), 512 << 20))
+    src, dst = np.ones(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return n / best / 1e9

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from glm_pd_common import protocol
 from glm_pd_common.errors import GlmPdError, ProtocolError
-from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape, require_convertible, require_match
+from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape, check_shape, require_match
 from glm_pd_common.layout import main_page_format
 from glm_pd_common.regions import Region, plan_order
 from glm_pd_common.spec import CacheSpec
@@ -99,7 +99,7 @@ def accept_hello(
     if hello.transport != backend:
         raise ProtocolError(f"{role} {hello.engine_id} uses transport {hello.transport!r}; this side uses {backend!r}")
     shape = hello.shape
-    require_convertible(shape, shape)
+    check_shape(shape, side=role)
     g = local.geometry
     want = [("main", lay) for lay in g.all_layers] + [("indexer", lay) for lay in g.indexer_layers]
     got = [(s.kind, s.layer_id) for s in hello.regions]

@@ -25,6 +25,7 @@ from glm_pd_common.lease import LeaseTable
 from glm_pd_common.pages import suffix_pages
 from glm_pd_common.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.plan import TransferPlan, build_plan
+from glm_pd_common.queues import drain
 from glm_pd_common.sidechannel import SideChannelServer
 from glm_pd_common.tp import expected_releases
 
@@ -80,12 +81,7 @@ class PrefillService:
         self._grants.put((request_id, np.asarray(pages, dtype=np.int64)))
 
     def finished(self) -> list[Finished]:
-        out = []
-        while True:
-            try:
-                out.append(self._finished.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._finished)
 
     def close(self) -> None:
         self._stop.set()
@@ -101,11 +97,7 @@ class PrefillService:
                 logger.exception("glm-pd prefill service step failed")
 
     def _step(self) -> None:
-        while True:
-            try:
-                request_id, pages = self._grants.get_nowait()
-            except queue.Empty:
-                break
+        for request_id, pages in drain(self._grants):
             self._leases.grant(request_id, pages, releases=1)
             for key in [k for k in self._early_claims if k[0] == request_id]:
                 self._on_claim(key[1], self._early_claims.pop(key)[0])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 
 def human_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
@@ -60,3 +64,16 @@ def print_account(a: dict) -> None:
         ("exposed tail", f"{human_seconds(a['exposed_tail_seconds'])} (last layer posted + its indexer)"),
     ]
     print_table(rows, "glm-pd plan: the handoff account of one request")
+
+
+def emit_rows(rows: list[dict], out: str, *, as_json: bool, header: str, line: Callable[[dict], str]) -> None:
+    """A benchmark's result: always written as JSON to ``out``; printed as JSON or as a table."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=2))
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(header)
+    for row in rows:
+        print(line(row))
+    print(f"(JSON written to {out})")
