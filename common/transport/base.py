@@ -58,11 +58,13 @@ class TransportInfo:
 
 @dataclass(frozen=True)
 class Span:
-    """A registered address range (local region or one a peer announced)."""
+    """A registered address range (a local cache region, an engine's side buffer, or one a peer announced)."""
 
     name: str
     base_addr: int
     size_bytes: int
+    mem_kind: str = "DRAM"
+    device_id: int = 0
 
 
 @dataclass
@@ -141,7 +143,7 @@ class Transport(abc.ABC):
 
     # -- what backends implement ------------------------------------------------------------------
     @abc.abstractmethod
-    def _register(self, regions: Sequence[Region]) -> None: ...
+    def _register(self, regions: Sequence[Region | Span]) -> None: ...
 
     @abc.abstractmethod
     def _metadata(self) -> bytes: ...
@@ -174,9 +176,18 @@ class Transport(abc.ABC):
     def _close(self) -> None: ...
 
     # -- the shared contract ----------------------------------------------------------------------
-    def register(self, regions: Sequence[Region]) -> None:
+    def register(self, regions: Sequence[Region | Span]) -> None:
+        """Register cache regions or plain spans (an engine's metadata buffers travel too)."""
         self._register(regions)
-        self._local.extend(Span(r.name, r.base_addr, r.size_bytes) for r in regions)
+        self._local.extend(Span(r.name, r.base_addr, r.size_bytes, r.mem_kind, r.device_id) for r in regions)
+
+    def mem_kind_at(self, addr: int, peer: str | None = None) -> str:
+        """The memory kind of the registered span holding ``addr`` (local, or the peer's announced spans)."""
+        spans = self._local if peer is None else self._remote.get(peer, [])
+        for s in spans:
+            if s.base_addr <= addr < s.base_addr + max(s.size_bytes, 1):
+                return s.mem_kind
+        return "DRAM"
 
     def metadata(self) -> bytes:
         """This agent's metadata, framed with its backend, name and digest for a peer's ``add_peer``."""

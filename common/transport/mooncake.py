@@ -24,6 +24,7 @@ import numpy as np
 from glm_pd_common.errors import TransferFailed
 from glm_pd_common.regions import Region
 from glm_pd_common.transport.base import (
+    Span,
     Transfer,
     Transport,
     TransportConfig,
@@ -72,7 +73,7 @@ class MooncakeTransport(Transport):
         self._peers: dict[str, str] = {}
         self._registered: list[int] = []
 
-    def _register(self, regions: Sequence[Region]) -> None:
+    def _register(self, regions: Sequence[Region | Span]) -> None:
         for r in regions:
             if r.size_bytes == 0:
                 continue  # Mooncake refuses zero-length registrations; nothing would move there anyway

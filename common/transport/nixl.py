@@ -16,6 +16,7 @@ import numpy as np
 from glm_pd_common.errors import TransferFailed
 from glm_pd_common.regions import Region
 from glm_pd_common.transport.base import (
+    Span,
     Transfer,
     Transport,
     TransportConfig,
@@ -64,15 +65,13 @@ class NixlTransport(Transport):
         else:
             self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
         self._reg: list[object] = []
-        self._mem: dict[str, str] = {}
         self._backlog: list[tuple[str, bytes]] = []
 
-    def _register(self, regions: Sequence[Region]) -> None:
+    def _register(self, regions: Sequence[Region | Span]) -> None:
         for kind in sorted({r.mem_kind for r in regions}):
-            chosen = [r for r in regions if r.mem_kind == kind]
+            chosen = [r for r in regions if r.mem_kind == kind and r.size_bytes > 0]
             descs = np.array([[r.base_addr, r.size_bytes, r.device_id] for r in chosen], dtype=np.uint64)
             self._reg.append(self._agent.register_memory(descs, kind))
-        self._mem["local"] = regions[0].mem_kind if regions else "DRAM"
 
     def _metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
@@ -92,12 +91,14 @@ class NixlTransport(Transport):
     def _post(
         self, xfer: Transfer, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, notif: bytes | None
     ) -> None:
-        mem = self._mem.get("local", "DRAM")
+        # One batch is one memory kind per side (a cache batch is VRAM, a metadata batch DRAM).
+        local_mem = self.mem_kind_at(int(local[0])) if local.size else "DRAM"
+        remote_mem = self.mem_kind_at(int(remote[0]), xfer.peer) if remote.size else "DRAM"
         zeros = np.zeros_like(lengths)
         local_descs = np.stack([local, lengths, zeros], axis=1).astype(np.uint64)
         remote_descs = np.stack([remote, lengths, zeros], axis=1).astype(np.uint64)
-        local_h = self._agent.prep_xfer_dlist(_LOCAL, local_descs, mem)
-        remote_h = self._agent.prep_xfer_dlist(xfer.peer, remote_descs, mem)
+        local_h = self._agent.prep_xfer_dlist(_LOCAL, local_descs, local_mem)
+        remote_h = self._agent.prep_xfer_dlist(xfer.peer, remote_descs, remote_mem)
         index = np.arange(lengths.size, dtype=np.int64)
         try:
             handle = self._agent.make_prepped_xfer(xfer.op, local_h, index, remote_h, index, notif_msg=notif or b"")

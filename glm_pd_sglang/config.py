@@ -1,0 +1,69 @@
+"""The backend's settings, read from ``SGLANG_GLM_PD_*`` environment variables (SGLang's way for backends).
+
+Every variable is parsed strictly: an unknown ``SGLANG_GLM_PD_*`` name or a bad value is an error that
+names it, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from glm_pd_common.errors import ConfigError
+from glm_pd_common.layout import INDEXER_SCALE_FORMATS
+from glm_pd_common.transport.base import BACKENDS
+
+PREFIX = "SGLANG_GLM_PD_"
+
+
+@dataclass(frozen=True)
+class GlmPdSglangConfig:
+    """Every ``SGLANG_GLM_PD_<NAME>`` glm-pd reads (see README, "SGLang")."""
+
+    transport: str = "mooncake"  # mooncake | nixl
+    allow_tcp: bool = False  # accept a data path without RDMA (refused otherwise)
+    timeout_s: float = 60.0  # bound on every transfer wait
+    verify_checksums: bool = False  # glm-pd's per-region xxh3 digests, checked before Success
+    indexer_scale_format: str = ""  # fp32 (SM90) | ue8m0x4 (SM100); empty: from the device
+    model_revision: str = ""  # checked between peers when both set it
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> GlmPdSglangConfig:
+        env = os.environ if env is None else env
+        known = {f.name.upper(): f for f in fields(cls)}
+        values: dict[str, object] = {}
+        for key, raw in env.items():
+            if not key.startswith(PREFIX):
+                continue
+            name = key[len(PREFIX) :]
+            if name not in known:
+                raise ConfigError(f"unknown setting {key}; glm-pd reads {sorted(PREFIX + k for k in known)}")
+            values[known[name].name] = _parse(key, raw, type(known[name].default))
+        config = cls(**values)  # type: ignore[arg-type]
+        if config.transport not in BACKENDS:
+            raise ConfigError(f"{PREFIX}TRANSPORT must be one of {BACKENDS}, got {config.transport!r}")
+        if config.timeout_s <= 0:
+            raise ConfigError(f"{PREFIX}TIMEOUT_S must be positive, got {config.timeout_s}")
+        if config.indexer_scale_format and config.indexer_scale_format not in INDEXER_SCALE_FORMATS:
+            raise ConfigError(
+                f"{PREFIX}INDEXER_SCALE_FORMAT must be one of {INDEXER_SCALE_FORMATS}, "
+                f"got {config.indexer_scale_format!r}"
+            )
+        return config
+
+
+def _parse(key: str, raw: str, kind: type) -> object:
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{key} must be a boolean (1/0, true/false), got {raw!r}")
+    if kind is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {raw!r}") from None
+    return raw.strip()

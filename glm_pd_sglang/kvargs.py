@@ -1,0 +1,145 @@
+"""SGLang's ``KVArgs`` -> glm-pd's cache spec and regions, checked against the model geometry.
+
+SGLang describes a DSA rank positionally:
+- ``kv_data_ptrs``: one main MLA buffer per target layer, then one per draft (MTP) layer; each item is one
+  page (``page_size`` rows), so the row bytes are ``item_len / page_size`` (656 fp8_ds_mla, 576 raw fp8,
+  1152 bf16).
+- one ``StateType.DSA`` state component: the indexer buffer of every target layer (item length 0 on a shared
+  layer, which has no indexer), then the draft's. Items are pages too, indexed by the same page ids.
+Zero-length entries carry no cache; they are skipped here, identically on both sides, and the layers that
+remain must be exactly the geometry's full layers, or nothing may move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from glm_pd_common.errors import ConfigError
+from glm_pd_common.geometry import ModelGeometry
+from glm_pd_common.layout import main_page_format
+from glm_pd_common.regions import MemKind, Region, plan_order
+from glm_pd_common.spec import CacheSpec
+from glm_pd_common.transport.base import Span
+
+# Row bytes -> glm-pd's row format; the dtype string alone cannot tell 656 B fp8_ds_mla from 576 B raw fp8.
+_ROWS = {656: "fp8_ds_mla", 576: "fp8", 1152: "bf16"}
+_DTYPE_FAMILIES = {"fp8_ds_mla": ("fp8_e4m3", "fp8"), "fp8": ("fp8_e4m3", "fp8"), "bf16": ("auto", "bfloat16", "bf16")}
+_DSA = "dsa"
+
+
+@dataclass(frozen=True)
+class RankCaches:
+    """One rank's caches as glm-pd sees them: spec, cache regions (plan order) and metadata buffers."""
+
+    spec: CacheSpec
+    regions: list[Region]
+    aux: list[Span]
+    aux_item_lens: list[int]
+    page_tokens: int
+
+
+def _value(x: Any) -> str:
+    return str(getattr(x, "value", x))
+
+
+def row_format_name(item_len: int, page_size: int, kv_cache_dtype: str) -> str:
+    """The main row format of SGLang's buffers, from the bytes per row, cross-checked with the dtype."""
+    if item_len % page_size:
+        raise ConfigError(f"main KV item length {item_len} B is not a whole number of rows of a {page_size}-token page")
+    row = item_len // page_size
+    name = _ROWS.get(row)
+    if name is None:
+        raise ConfigError(f"main KV rows of {row} B match no DSA layout glm-pd knows ({sorted(_ROWS)} B)")
+    if kv_cache_dtype not in _DTYPE_FAMILIES[name]:
+        raise ConfigError(f"main KV rows of {row} B ({name}) do not fit kv_cache_dtype {kv_cache_dtype!r}")
+    return name
+
+
+def rank_caches(
+    kv_args: Any, geometry: ModelGeometry, *, scale_format: str, mem_kind: MemKind, device_id: int
+) -> RankCaches:
+    """Map ``kv_args`` onto regions; raise naming the entry, layer or length that does not fit."""
+    page = int(kv_args.page_size)
+    ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
+    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    if int(getattr(kv_args, "prefill_start_layer", 0) or 0) != 0 or getattr(kv_args, "pp_rank", 0):
+        raise ConfigError("glm-pd does not support pipeline parallelism on the prefill side (pp_rank > 0)")
+    if not ptrs or not len(ptrs) == len(lens) == len(items):
+        raise ConfigError(f"KVArgs lists {len(ptrs)} KV pointers, {len(lens)} lengths, {len(items)} item lengths")
+    num_target = len(ptrs) - num_draft
+    if num_target != geometry.num_layers:
+        raise ConfigError(
+            f"KVArgs holds {num_target} target main KV buffers; the model has {geometry.num_layers} layers"
+        )
+    if num_draft not in (0, geometry.num_mtp_layers):
+        raise ConfigError(f"KVArgs holds {num_draft} draft KV buffers; the model has {geometry.num_mtp_layers} MTP")
+    if num_draft == 0 and geometry.num_mtp_layers:
+        geometry = replace(geometry, num_mtp_layers=0)
+    if len(set(items)) != 1:
+        raise ConfigError(f"main KV item lengths differ between layers: {sorted(set(items))}")
+    row_name = row_format_name(items[0], page, str(kv_args.kv_cache_dtype_str))
+    spec = CacheSpec.create(geometry, cache_dtype=row_name, scale_format=scale_format)
+    main_fmt, idx_fmt = main_page_format(spec.row), spec.indexer.page_format
+
+    def region(kind: str, layer: int, ptr: int, data_len: int, item_len: int) -> Region:
+        fmt = main_fmt if kind == "main" else idx_fmt
+        if item_len != fmt.page_bytes(page):
+            raise ConfigError(
+                f"{kind} buffer of layer {layer}: item length {item_len} B, but {page} tokens x "
+                f"{fmt.bytes_per_token} B = {fmt.page_bytes(page)} B"
+            )
+        if ptr <= 0 or data_len < item_len:
+            raise ConfigError(f"{kind} buffer of layer {layer}: pointer {ptr:#x} / length {data_len} B unusable")
+        return Region(
+            kind=kind,  # type: ignore[arg-type]
+            layer_id=layer,
+            is_mtp=layer >= geometry.num_layers,
+            base_addr=int(ptr),
+            page_tokens=page,
+            page_bytes=item_len,
+            page_stride=item_len,
+            num_pages=data_len // item_len,
+            page_format=fmt,
+            mem_kind=mem_kind,
+            device_id=device_id,
+        )
+
+    regions = [region("main", i, ptrs[i], lens[i], items[i]) for i in range(len(ptrs))]
+    regions += _indexer_regions(kv_args, geometry, region)
+    aux = [
+        Span(f"aux[{i}]", int(p), int(n), "DRAM", 0)
+        for i, (p, n) in enumerate(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens, strict=True))
+    ]
+    return RankCaches(spec, plan_order(regions), aux, [int(x) for x in kv_args.aux_item_lens], page)
+
+
+def _indexer_regions(kv_args: Any, geometry: ModelGeometry, region: Any) -> list[Region]:
+    types = [_value(t) for t in getattr(kv_args, "state_types", None) or []]
+    others = sorted(set(types) - {_DSA})
+    if others:
+        raise ConfigError(
+            f"state components {others} are not part of a GLM-5.x DSA handoff (index_kpool compression or a "
+            "hybrid pool?); glm-pd moves the main MLA KV and the DSA indexer only"
+        )
+    if types.count(_DSA) != 1:
+        raise ConfigError(f"KVArgs carries {types.count(_DSA)} DSA state components; a DSA model has one")
+    k = types.index(_DSA)
+    ptrs, lens = list(kv_args.state_data_ptrs[k]), list(kv_args.state_data_lens[k])
+    items = list(kv_args.state_item_lens[k])
+    want = geometry.num_layers + geometry.num_mtp_layers
+    if not len(ptrs) == len(lens) == len(items) == want:
+        raise ConfigError(
+            f"the DSA state lists {len(ptrs)} indexer buffers; the model needs {want} "
+            f"({geometry.num_layers} target + {geometry.num_mtp_layers} MTP). DSA CP layer split "
+            "(--enable-dsa-cache-layer-split) is not supported by glm-pd"
+        )
+    owned = [i for i in range(want) if items[i] > 0]
+    full = [i for i in owned if i < geometry.num_layers]
+    if tuple(full) != geometry.full_indexer_layers or owned[len(full) :] != list(geometry.mtp_layers):
+        raise ConfigError(
+            f"SGLang's indexer buffers sit on layers {owned}; the model config says full layers "
+            f"{list(geometry.full_indexer_layers)} plus MTP {list(geometry.mtp_layers)} "
+            f"(differ on {sorted(set(owned) ^ set(geometry.indexer_layers))})"
+        )
+    return [region("indexer", i, ptrs[i], lens[i], items[i]) for i in owned]

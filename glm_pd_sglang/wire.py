@@ -1,0 +1,79 @@
+"""The backend's zmq messages between SGLang ranks (msgspec msgpack behind a tag frame).
+
+Decode -> prefill: a registration (once per prefill rank: glm-pd's hello plus SGLang's endpoint and
+metadata buffers) and a room message per request. Prefill -> decode: a refusal at registration, digests
+before Success when verification is on; the terminal status uses SGLang's own tagged status frame.
+Every payload is size-capped and decoded whole before anything acts on it.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+from glm_pd_common.errors import ProtocolError
+from glm_pd_common.protocol import MAX_MESSAGE_BYTES
+
+TAG_REGISTER = b"GLMPD_REGISTER"
+TAG_ROOM = b"GLMPD_ROOM"
+TAG_REFUSED = b"GLMPD_REFUSED"
+TAG_DIGESTS = b"GLMPD_DIGESTS"
+TAG_STATUS = b"GLMPD_STATUS"
+
+
+class AuxBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    ptr: int
+    data_len: int
+    item_len: int
+
+
+class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    hello: bytes  # glm_pd_common.protocol.Hello, encoded: fingerprint, shape, regions, transport metadata
+    decode_ip: str
+    decode_port: int
+    engine_rank: int
+    aux: list[AuxBuffer]
+
+
+class Room(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    room: int
+    agent_name: str
+    decode_ip: str
+    decode_port: int
+    dst_pages: list[int]  # decode's suffix pages (main KV)
+    dst_state_pages: list[int] | None  # decode's suffix pages of the DSA state (the indexer)
+    aux_index: int | None
+    decode_prefix_len: int
+    required_dst_info_num: int
+    is_dummy: bool
+
+
+class Refused(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prefill_rank: int
+    reason: str
+
+
+class Digests(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    room: int
+    regions: list[str]
+    digests: list[int]
+
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def frames(tag: bytes, message: msgspec.Struct) -> list[bytes]:
+    return [tag, msgspec.msgpack.encode(message)]
+
+
+def parse(msg: list[bytes], kind: type[T]) -> T:
+    """Decode the payload frame of a tagged message; refuse a wrong frame count, oversize or bad shape."""
+    if len(msg) != 2:
+        raise ProtocolError(f"{msg[0]!r} message has {len(msg)} frames, expected 2")
+    if len(msg[1]) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{msg[0]!r} message of {len(msg[1])} bytes exceeds the cap of {MAX_MESSAGE_BYTES}")
+    try:
+        return msgspec.msgpack.decode(msg[1], type=kind)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed {msg[0]!r} message: {exc}") from exc
