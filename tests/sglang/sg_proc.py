@@ -282,6 +282,7 @@ def main() -> None:
         "results": results,
         "transitions": [r.transitions for r in ranks],
         "free_pages": [len(r.free_pages) for r in ranks],
+        "pool_pages": POOL_PAGES,
         "stats": [r.mgr.stats for r in ranks],
         "refusals": [r.mgr.refusals for r in ranks],
         "leftovers": [r.mgr.leftovers() for r in ranks],

@@ -1,0 +1,141 @@
+"""Two processes, real SGLang backend classes, real bootstrap server, real transports over loopback.
+
+What stands in for the GPU: the caches are host tensors shaped as SGLang's DSA pool allocates them
+(SGLang's ``device="cpu"``); everything else is SGLang's and glm-pd's own code (see sg_proc.py).
+"""
+
+import pytest
+
+from glm_pd_common.tp import source_rank
+
+PAGE = 64
+INDEXER_LAYERS = 4  # tiny model: full layers 0-2 plus the MTP layer
+MAIN_LAYERS = 7
+SUCCESS, FAILED = 4, 0
+
+
+def suffix_pages(req: dict) -> int:
+    return -(-(req["tokens"] - req.get("prefix", 0)) // PAGE)
+
+
+def assert_clean(prefill: dict | None, decode: dict) -> None:
+    """Nothing is held once every room ended: no per-room state on either side, every page back."""
+    for report in [decode] + ([prefill] if prefill else []):
+        for held in report["leftovers"]:
+            assert not any(held.values()), held
+        assert all(n == report["pool_pages"] for n in report["free_pages"])
+
+
+def assert_exact(prefill: dict, decode: dict, prefill_tp: int = 1, decode_tp: int = 1) -> None:
+    for p, d in zip(prefill["results"], decode["results"], strict=True):
+        assert d["states"] == [SUCCESS] * decode_tp, d["reasons"]
+        assert p["states"] == [SUCCESS] * prefill_tp, p["reasons"]
+        for rank in range(decode_tp):
+            src = source_rank(rank, prefill_tp, decode_tp)
+            assert d["dst_digests"][rank] == p["src_digests"][src], f"room {d['room']} decode rank {rank}"
+            assert d["prefix_after"][rank] == d["prefix_before"][rank]  # decode's own prefix pages untouched
+            assert d["aux_room"][rank] == d["room"]  # the metadata row landed before Success
+
+
+REQUESTS = [
+    {"room": 11, "tokens": 40},  # shorter than a page
+    {"room": 12, "tokens": 700},
+    {"room": 13, "tokens": 1000, "prefix": 384},  # decode holds 6 pages: only the suffix travels
+    {"room": 14, "tokens": 2100, "prefix": 64, "chunk_pages": 7},  # chunked prefill: indexer on the last chunk
+]
+
+
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+def test_handoff_is_byte_exact(pair, transport: str) -> None:
+    prefill, decode = pair.run(REQUESTS, env={"SGLANG_GLM_PD_TRANSPORT": transport})
+    assert_exact(prefill, decode)
+    assert_clean(prefill, decode)
+    pages = sum(suffix_pages(r) for r in REQUESTS)
+    stats = prefill["stats"][0]
+    assert stats["main_bytes"] == pages * MAIN_LAYERS * PAGE * 656
+    assert stats["indexer_bytes"] == pages * INDEXER_LAYERS * PAGE * 132
+    walks = {}
+    for room, status in prefill["transitions"][0]:
+        walks.setdefault(room, []).append(status)
+    for r in REQUESTS:  # the sender's KVPoll walk, as SGLang's scheduler polls it
+        assert sorted(set(walks[r["room"]])) == [1, 2, 3, 4] and walks[r["room"]][-1] == SUCCESS
+    assert ("mooncake" if transport == "mooncake" else "UCX").lower() in prefill["data_path"].lower() or (
+        transport == "mooncake" and "tcp" in prefill["data_path"]
+    )
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_replicated_tp_path(pair, prefill_tp: int, decode_tp: int) -> None:
+    """Each decode rank gets one whole copy from its one source rank; other prefill ranks are dummies."""
+    requests = [{"room": 21, "tokens": 500, "prefix": 64}, {"room": 22, "tokens": 900}]
+    prefill, decode = pair.run(requests, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    assert_exact(prefill, decode, prefill_tp, decode_tp)
+    assert_clean(prefill, decode)
+    moved = [s.get("main_bytes", 0) for s in prefill["stats"]]
+    expected = sum(suffix_pages(r) for r in requests) * MAIN_LAYERS * PAGE * 656
+    assert moved == ([expected * decode_tp] if prefill_tp == 1 else [expected, 0])
+
+
+def test_bad_requests_fail_cleanly_and_the_next_one_works(pair) -> None:
+    requests = [
+        {"room": 31, "tokens": 700, "prefix": 128, "fault": "misaligned"},
+        {"room": 32, "tokens": 700, "prefix": 128, "fault": "misaligned_unchecked"},
+        {"room": 33, "tokens": 700, "fault": "out_of_range_unchecked"},
+        {"room": 34, "tokens": 700, "prefix": 128, "fault": "suffix_shift"},
+        {"room": 35, "tokens": 2500, "fault": "abort"},
+        {"room": 36, "tokens": 1500, "prefix": 64, "chunk_pages": 5},
+    ]
+    prefill, decode = pair.run(requests)
+    pairs = zip(prefill["results"], decode["results"], strict=True)
+    reasons = {d["room"]: (p["reasons"][0], d["reasons"][0]) for p, d in pairs}
+    for p, d in zip(prefill["results"][:-1], decode["results"][:-1], strict=True):
+        assert p["states"] == [FAILED] and d["states"] == [FAILED], (p, d)
+    assert "not page-aligned" in reasons[31][1]  # decode refuses its own misaligned prefix...
+    assert "Aborted by decode" in reasons[31][0]  # ...and tells prefill, which frees the request
+    assert all("not page-aligned" in r for r in reasons[32])  # prefill applies the same rule to the wire
+    assert all("page id 1000000 is outside region main[layer 0]" in r for r in reasons[33])
+    assert all("suffix mismatch" in r for r in reasons[34])
+    assert "Aborted" in reasons[35][0] and "Aborted" in reasons[35][1]
+    assert_exact({"results": prefill["results"][-1:]}, {"results": decode["results"][-1:]})
+    assert_clean(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("decode_env", "row", "fields"),
+    [
+        ({"SGLANG_GLM_PD_INDEXER_SCALE_FORMAT": "ue8m0x4"}, 656, ["indexer_scale_format: prefill='fp32'", "'ue8m0x4'"]),
+        ({}, 576, ["main_row_bytes: prefill=656", "=576", "main_row_format"]),
+    ],
+)
+def test_layout_mismatch_is_refused_at_registration(pair, decode_env: dict, row: int, fields: list[str]) -> None:
+    """SGLang compares neither item lengths nor scale formats; glm-pd refuses both, naming field and values."""
+    prefill, decode = pair.run([{"room": 41, "tokens": 300}], decode_env=decode_env, decode_row_bytes=row)
+    assert decode["results"][0]["states"] == [FAILED] and prefill["results"][0]["states"] == [FAILED]
+    for reason in (decode["results"][0]["reasons"][0], prefill["results"][0]["reasons"][0], decode["refusals"][0]["0"]):
+        assert "at registration" in reason
+        for field in fields:
+            assert field in reason
+    assert prefill["stats"][0].get("main_bytes", 0) == 0  # nothing moved
+    assert_clean(prefill, decode)
+
+
+def test_digest_verification_catches_a_flipped_byte(pair) -> None:
+    requests = [{"room": 51, "tokens": 900}, {"room": 52, "tokens": 900, "fault": "corrupt"}]
+    requests.append({"room": 53, "tokens": 900})
+    prefill, decode = pair.run(requests, env={"SGLANG_GLM_PD_VERIFY_CHECKSUMS": "1"})
+    states = [d["states"][0] for d in decode["results"]]
+    assert states == [SUCCESS, FAILED, SUCCESS]
+    assert "checksum mismatch in indexer[layer 6 mtp] region" in decode["results"][1]["reasons"][0]
+    assert_exact({"results": prefill["results"][::2]}, {"results": decode["results"][::2]})
+    assert_clean(prefill, decode)
+
+
+def test_prefill_gone_fails_the_room_without_a_hang(pair) -> None:
+    env = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
+    requests = [{"room": 61, "tokens": 900, "prefill_exit": "after_bootstrap"}]
+    _, decode = pair.run(requests, env=env, prefill_exits=True)
+    result = decode["results"][0]
+    assert result["states"] == [FAILED]
+    assert "Lost connection with prefill" in result["reasons"][0]
+    assert result["seconds"] < 15  # two missed 2 s heartbeats, not the 300 s waiting timeout
+    assert_clean(None, decode)
