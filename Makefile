@@ -5,8 +5,9 @@ CORE_REQS := requirements/core.txt requirements/transports.txt
 VLLM_REQS := requirements/vllm.txt requirements/transports.txt requirements/nixl-cu13.txt
 VLLM_CPU_REQS := requirements/vllm-cpu.txt requirements/transports.txt
 SGLANG_REQS := requirements/sglang.txt requirements/transports.txt requirements/nixl-cu13.txt
+ROUTER_REQS := requirements/router.txt
 
-.PHONY: demo test test-core test-vllm test-vllm-cpu test-sglang core-venv vllm-venv vllm-cpu-venv sglang-venv system-deps lint
+.PHONY: demo test test-core test-vllm test-vllm-cpu test-sglang test-router core-venv vllm-venv vllm-cpu-venv sglang-venv router-venv system-deps lint
 
 # Mooncake's engine links libibverbs (it then finds no HCA here and is told to use TCP).
 system-deps:
@@ -31,6 +32,11 @@ sglang-venv: system-deps
 	@venv=$$(scripts/venv.sh sglang $(SGLANG_REQS)) && $$venv/bin/python -m pip install -q --no-deps -e . \
 	  && echo $$venv > .venv-sglang-path
 
+# The PD proxy recipe (FastAPI + httpx) and sglang-router's launcher: a small venv of their own.
+router-venv:
+	@venv=$$(scripts/venv.sh router $(ROUTER_REQS)) && $$venv/bin/python -m pip install -q --no-deps -e . \
+	  && echo $$venv > .venv-router-path
+
 # This box has no RDMA NIC, so the demo must be told that TCP/shared memory is acceptable.
 demo: core-venv
 	$$(cat .venv-core-path)/bin/glm-pd demo --allow-tcp
@@ -39,11 +45,11 @@ lint: core-venv
 	$$(cat .venv-core-path)/bin/ruff check .
 
 test-core: lint
-	$$(cat .venv-core-path)/bin/python -m pytest -q tests/common tests/transport
+	$$(cat .venv-core-path)/bin/python -m pytest -q tests/common tests/transport tests/recipes/test_account.py
 
 # vLLM 0.33 (PyPI's CUDA build) imports and builds its configs on this CPU machine.
 test-vllm: vllm-venv
-	$$(cat .venv-vllm-path)/bin/python -m pytest -q tests/vllm
+	$$(cat .venv-vllm-path)/bin/python -m pytest -q tests/vllm tests/recipes/test_vllm_recipes.py
 
 # vLLM 0.32 (the vllm-cpu build): the same adapter tests against the older connector interface.
 test-vllm-cpu: vllm-cpu-venv
@@ -51,6 +57,10 @@ test-vllm-cpu: vllm-cpu-venv
 
 # SGLang 0.5.23: the glm-pd backend between a prefill and a decode process (device="cpu").
 test-sglang: sglang-venv
-	$$(cat .venv-sglang-path)/bin/python -m pytest -q -p no:warnings tests/sglang
+	$$(cat .venv-sglang-path)/bin/python -m pytest -q -p no:warnings tests/sglang tests/recipes/test_sglang_recipes.py
 
-test: test-core test-vllm test-vllm-cpu test-sglang
+# recipes/router/pd_proxy.py over HTTP against vLLM-like stubs; recipes' router command lines.
+test-router: router-venv
+	$$(cat .venv-router-path)/bin/python -m pytest -q tests/router tests/recipes/test_router_recipes.py
+
+test: test-core test-vllm test-vllm-cpu test-sglang test-router

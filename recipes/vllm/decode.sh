@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GLM-5.3-FP8 decode instance on one 8xH200 node, GlmPdConnector as kv_consumer.
+# Decode reads each request's suffix from the prefill address that arrives in its kv_transfer_params.
+set -euo pipefail
+MODEL=${MODEL:-zai-org/GLM-5.3-FP8}
+PORT=${PORT:-8200}
+VLLM=${VLLM:-vllm}
+
+export UCX_TLS=${UCX_TLS:-rc,cuda_ipc,cuda_copy}
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1}
+
+# Prefix caching stays on: a decode-side prefix hit (page-aligned) means only the suffix travels.
+exec "$VLLM" serve "$MODEL" \
+  --served-model-name glm-5.3 \
+  --host 0.0.0.0 --port "$PORT" \
+  --tensor-parallel-size 8 \
+  --kv-cache-dtype fp8 \
+  --block-size 64 \
+  --max-model-len 1048576 \
+  --gpu-memory-utilization 0.92 \
+  --enable-prefix-caching \
+  --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' \
+  --kv-transfer-config '{"kv_connector": "GlmPdConnector", "kv_connector_module_path": "glm_pd_vllm.connector",
+    "kv_role": "kv_consumer", "kv_connector_extra_config": {"transport": "nixl", "timeout_s": 60}}'

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# GLM-5.3-FP8 prefill instance on one 8xH200 node, GlmPdConnector as kv_producer.
+# One per prefill node (1P1D: one node; xPyD: one per prefill node, each with its own NODE_IP).
+set -euo pipefail
+: "${NODE_IP:?the address of this node on the RDMA network, published to decode for the side channel}"
+MODEL=${MODEL:-zai-org/GLM-5.3-FP8}
+PORT=${PORT:-8100}
+SIDE_CHANNEL_PORT=${SIDE_CHANNEL_PORT:-5710}  # TP rank r listens on SIDE_CHANNEL_PORT + r
+VLLM=${VLLM:-vllm}
+
+# UCX (under NIXL): RDMA for bytes between nodes, cuda_ipc/cuda_copy for GPU memory, nothing over TCP.
+export UCX_TLS=${UCX_TLS:-rc,cuda_ipc,cuda_copy}
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1}
+
+exec "$VLLM" serve "$MODEL" \
+  --served-model-name glm-5.3 \
+  --host 0.0.0.0 --port "$PORT" \
+  --tensor-parallel-size 8 \
+  --kv-cache-dtype fp8 \
+  --block-size 64 \
+  --max-model-len 1048576 \
+  --max-num-batched-tokens 16384 \
+  --gpu-memory-utilization 0.92 \
+  --enable-prefix-caching \
+  --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' \
+  --kv-transfer-config "{\"kv_connector\": \"GlmPdConnector\", \"kv_connector_module_path\": \"glm_pd_vllm.connector\",
+    \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": {\"side_channel_host\": \"$NODE_IP\",
+    \"side_channel_port\": $SIDE_CHANNEL_PORT, \"transport\": \"nixl\", \"lease_s\": 60, \"timeout_s\": 60}}"

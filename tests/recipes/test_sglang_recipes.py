@@ -1,0 +1,42 @@
+"""recipes/sglang: each launch command through SGLang 0.5.23's own server-argument parser, plugin loaded."""
+
+import json
+from pathlib import Path
+
+import pytest
+from sglang.srt.plugins import load_plugins
+
+load_plugins()
+
+from sglang.srt.disaggregation.utils import TransferBackend  # noqa: E402
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
+
+from glm_pd_common.geometry import PRESETS  # noqa: E402
+from glm_pd_sglang.config import GlmPdSglangConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def glm53(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """GLM-5.3's cache geometry as a local config (no hub here); the scripts take MODEL from the environment."""
+    path = tmp_path_factory.mktemp("glm-5.3")
+    (path / "config.json").write_text(json.dumps({"architectures": ["GlmMoeDsaForCausalLM"], **PRESETS["glm-5.3"]}))
+    return str(path)
+
+
+@pytest.mark.parametrize(("script", "mode"), [("sglang/prefill.sh", "prefill"), ("sglang/decode.sh", "decode")])
+def test_launch_commands_parse(run_recipe, glm53: str, script: str, mode: str) -> None:
+    argv, env = run_recipe(script, MODEL=glm53)
+    assert argv[:2] == ["-m", "sglang.launch_server"]
+    args = prepare_server_args(argv[2:])
+    assert args.disaggregation_mode == mode
+    assert TransferBackend(args.disaggregation_transfer_backend) is TransferBackend.GLM_PD
+    assert args.page_size == 64 and args.tp_size == 8 and args.kv_cache_dtype == "fp8_e4m3"
+    assert args.disaggregation_ib_device.split(",")[0] == "mlx5_0" and args.context_length == 1048576
+    settings = {k: v for k, v in env.items() if k.startswith("SGLANG_GLM_PD_")}
+    assert GlmPdSglangConfig.from_env(settings).transport == "mooncake"
+
+
+def test_default_model_is_glm53(run_recipe) -> None:
+    argv, _ = run_recipe("sglang/prefill.sh")
+    assert argv[argv.index("--model-path") + 1] == "zai-org/GLM-5.3-FP8"
+    assert Path(__file__).exists()

@@ -1,0 +1,219 @@
+"""The PD proxy over real HTTP against two small local stubs that answer like vLLM's OpenAI server.
+
+The stubs stand in for GPU engines: prefill returns a one-token completion with ``kv_transfer_params``
+and ``prompt_token_ids`` (vLLM's fields), decode checks it received exactly those and streams SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "recipes" / "router"))
+import pd_proxy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A uvicorn server on a thread, on 127.0.0.1."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+def tokens(prompt: str) -> list[int]:
+    return list(prompt.encode())
+
+
+class Prefill:
+    def __init__(self, name: str) -> None:
+        self.name, self.mode, self.seen = name, "ok", []
+        self.app = FastAPI()
+
+        @self.app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            body = await request.json()
+            self.seen.append(body)
+            if self.mode == "500":
+                return JSONResponse({"error": {"message": "CUDA out of memory"}}, 500)
+            if self.mode == "400":
+                return JSONResponse({"error": {"message": "prompt too long"}}, 400)
+            if self.mode == "hang":
+                await asyncio.sleep(30)
+            params = {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_block_ids": [1, 2]}
+            out = {
+                "id": "cmpl-p",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "x", "prompt_token_ids": tokens(body["prompt"]), "token_ids": [9]}],
+            }
+            if self.mode != "no_params":
+                out["kv_transfer_params"] = params
+            return JSONResponse(out)
+
+
+class Decode:
+    def __init__(self, name: str) -> None:
+        self.name, self.mode, self.seen = name, "ok", []
+        self.app = FastAPI()
+
+        @self.app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            body = await request.json()
+            self.seen.append(body)
+            if self.mode == "503":
+                return JSONResponse({"error": {"message": "KV load failed"}}, 503)
+            text = f"{self.name}:{len(body['prompt'])}"
+            if not body.get("stream"):
+                return JSONResponse({"id": "cmpl-d", "choices": [{"index": 0, "text": text}]})
+
+            async def events() -> Iterator[bytes]:
+                for i, piece in enumerate([text[:3], text[3:], "!"]):
+                    if self.mode == "break" and i == 2:
+                        raise RuntimeError("engine died mid-stream")
+                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': piece}]})}\n\n".encode()
+                    await asyncio.sleep(0.5 if self.mode == "slow" else 0.01)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture
+def cluster() -> Iterator[dict[str, Any]]:
+    prefills = [Prefill(f"p{i}") for i in range(2)]
+    decodes = [Decode(f"d{i}") for i in range(2)]
+    servers = {id(s): Server(s.app) for s in [*prefills, *decodes]}
+    proxy_app = pd_proxy.create_app(
+        [servers[id(p)].url for p in prefills], [servers[id(d)].url for d in decodes], timeout_s=2.0
+    )
+    proxy = Server(proxy_app)
+    yield {"prefills": prefills, "decodes": decodes, "proxy": proxy.url, "servers": servers}
+    proxy.stop()
+    for s in servers.values():
+        s.stop()
+
+
+def post(cluster: dict[str, Any], body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(cluster["proxy"] + "/v1/completions", json=body, timeout=20)
+
+
+def test_prefill_then_decode_with_params_and_token_ids(cluster: dict[str, Any]) -> None:
+    resp = post(cluster, {"model": "glm-5.3", "prompt": "hello glm", "max_tokens": 16, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    p_req = next(p.seen[0] for p in cluster["prefills"] if p.seen)
+    assert p_req["max_tokens"] == 1 and p_req["stream"] is False and p_req["return_token_ids"] is True
+    assert p_req["kv_transfer_params"] == {"do_remote_decode": True}
+    d = next(d for d in cluster["decodes"] if d.seen)
+    d_req = d.seen[0]
+    assert d_req["prompt"] == tokens("hello glm")  # decode never re-tokenizes
+    assert d_req["kv_transfer_params"]["remote_block_ids"] == [1, 2] and d_req["max_tokens"] == 16
+    assert resp.json()["choices"][0]["text"] == f"{d.name}:{len('hello glm')}"
+
+
+def test_streams_decode_chunks_in_order(cluster: dict[str, Any]) -> None:
+    with httpx.stream("POST", cluster["proxy"] + "/v1/completions", json={"prompt": "abc", "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    assert text.endswith(":3!")
+
+
+def test_load_spreads_over_instances(cluster: dict[str, Any]) -> None:
+    for i in range(8):
+        assert post(cluster, {"prompt": f"req {i}"}).status_code == 200
+    assert [len(p.seen) for p in cluster["prefills"]] == [4, 4]
+    assert [len(d.seen) for d in cluster["decodes"]] == [4, 4]
+
+
+def test_busy_instance_gets_fewer_requests(cluster: dict[str, Any]) -> None:
+    """While one decode holds a long stream, new requests go to the other one."""
+    for d in cluster["decodes"]:
+        d.mode = "slow"  # streams take about 1.5 s; non-streamed answers stay immediate
+    with httpx.stream("POST", cluster["proxy"] + "/v1/completions", json={"prompt": "long", "stream": True}) as r:
+        busy = next(d for d in cluster["decodes"] if d.seen)
+        for _ in range(3):
+            assert post(cluster, {"prompt": "short"}).status_code == 200
+        r.read()
+    other = next(d for d in cluster["decodes"] if d is not busy)
+    assert len(other.seen) == 3 and len(busy.seen) == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "words"),
+    [
+        ("500", 502, ["prefill", "answered 500", "CUDA out of memory"]),
+        ("400", 400, ["prompt too long"]),
+        ("no_params", 502, ["no kv_transfer_params", "GlmPdConnector"]),
+        ("hang", 504, ["did not answer within 2 s"]),
+    ],
+)
+def test_bad_prefill_answers_become_clear_errors(
+    cluster: dict[str, Any], mode: str, status: int, words: list[str]
+) -> None:
+    for p in cluster["prefills"]:
+        p.mode = mode
+    started = time.monotonic()
+    resp = post(cluster, {"prompt": "x"})
+    assert resp.status_code == status
+    message = resp.json()["error"]["message"]
+    assert all(w in message for w in words), message
+    assert time.monotonic() - started < 10
+    assert not any(d.seen for d in cluster["decodes"])  # decode is never asked without prefill's params
+
+
+def test_bad_decode_answers_become_clear_errors(cluster: dict[str, Any]) -> None:
+    for d in cluster["decodes"]:
+        d.mode = "503"
+    resp = post(cluster, {"prompt": "x"})
+    assert resp.status_code == 502 and "answered 503: KV load failed" in resp.json()["error"]["message"]
+    for d in cluster["decodes"]:
+        cluster["servers"][id(d)].stop()
+    resp = post(cluster, {"prompt": "x"})
+    assert resp.status_code == 502 and "unreachable" in resp.json()["error"]["message"]
+
+
+def test_decode_breaking_off_a_stream_ends_it_with_an_error(cluster: dict[str, Any]) -> None:
+    for d in cluster["decodes"]:
+        d.mode = "break"
+    with httpx.stream("POST", cluster["proxy"] + "/v1/completions", json={"prompt": "abc", "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert "broke off the stream" in lines[-1]
+    health = httpx.get(cluster["proxy"] + "/health").json()
+    assert all(i["in_flight"] == 0 for i in health["decode"] + health["prefill"])
+
+
+def test_bad_client_requests(cluster: dict[str, Any]) -> None:
+    r = httpx.post(cluster["proxy"] + "/v1/completions", content=b"{not json", timeout=5)
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    assert post(cluster, {"prompt": "x", "n": 2}).status_code == 400
