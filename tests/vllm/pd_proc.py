@@ -13,12 +13,14 @@ it freed; decode reads the params on stdin and prints each request's outcome. Li
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,6 +42,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request, RequestStatus
 
 from glm_pd_common.hostmem import HostCaches
+from glm_pd_common.pages import num_pages_for
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import cache_spec
 
@@ -212,11 +215,102 @@ def run_decode(job: dict, params: list[dict]) -> None:
     inst.shutdown()
 
 
+def model_caches(inst: Instance, table: np.ndarray):
+    """The tiny DSA model's view of rank 0's cache memory for one request (tests/e2e/tiny_dsa.py)."""
+    from tiny_dsa import PagedCache
+
+    caches = inst.caches[0]
+    views = {}
+    for (kind, layer), buf in caches.buffers.items():
+        row = caches.spec.row.row_bytes if kind == "main" else caches.spec.indexer.row_bytes
+        views[kind, layer] = torch.from_numpy(buf)[:, : caches.page_tokens * row]
+    main = {lay: v for (k, lay), v in views.items() if k == "main"}
+    index = {lay: v for (k, lay), v in views.items() if k == "indexer"}
+    return PagedCache(main, index, table, caches.page_tokens)
+
+
+def e2e_tables(job: dict, sizes: list[int], seed: int) -> list[np.ndarray]:
+    pool = np.random.default_rng(seed).permutation(job["num_blocks"])
+    starts = np.cumsum([0, *sizes])
+    return [pool[a:b] for a, b in itertools.pairwise(starts)]
+
+
+def tiny_model(job: dict):
+    from tiny_dsa import TinyDsa
+
+    from glm_pd_common.geometry import ModelGeometry
+
+    geometry = ModelGeometry.from_config(job["model"], include_mtp=False)
+    return TinyDsa(geometry.num_layers, list(geometry.full_indexer_layers), seed=job["e2e"]["seed"])
+
+
+def run_prefill_e2e(job: dict) -> None:
+    """Prefill with the tiny DSA model: its forward writes every layer's caches, then the connector hands off."""
+    inst, model, prompts, bs = Instance(job), tiny_model(job), job["e2e"]["prompts"], job["block_size"]
+    params, firsts = [], []
+    for rid, prompt, table in zip(
+        job["requests"], prompts, e2e_tables(job, [num_pages_for(len(p), bs) for p in prompts], 1), strict=True
+    ):
+        firsts.append(model.prefill(prompt, model_caches(inst, table)))
+        req = request(rid, len(prompt), {"do_remote_decode": True})
+        req.num_computed_tokens = len(prompt)
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        params.append(inst.scheduler.request_finished_all_groups(req, (table.tolist(),))[1])
+    say({"params": params, "first": firsts})
+    deadline, freed = time.monotonic() + job["wait_s"], set()
+    while time.monotonic() < deadline and len(freed) < len(params):
+        freed |= inst.step()[0]
+        time.sleep(0.01)
+    say({"freed": sorted(freed)})
+    inst.shutdown()
+
+
+def run_decode_e2e(job: dict, relay: dict) -> None:
+    """Decode with the tiny DSA model: a local prefix hit, the connector loads the suffix, greedy decode."""
+    inst, model, e2e, bs = Instance(job), tiny_model(job), job["e2e"], job["block_size"]
+    prompts, steps, prefix = e2e["prompts"], e2e["steps"], job["prefix_tokens"]
+    sizes = [num_pages_for(len(p) + steps, bs) for p in prompts]
+    reqs = {}
+    for p, prompt, table in zip(relay["params"], prompts, e2e_tables(job, sizes, 2), strict=True):
+        rid = p.get("remote_request_id", "r")
+        if prefix:
+            model.prefill(prompt, model_caches(inst, table), 0, prefix)  # decode's own prefix-cache hit
+        req = request(rid, len(prompt), p)
+        count, _ = inst.scheduler.get_num_new_matched_tokens(req, prefix)
+        blocks = KVCacheBlocks(([KVCacheBlock(int(b)) for b in table[: num_pages_for(len(prompt), bs)]],))
+        inst.scheduler.update_state_after_alloc(req, blocks, count)
+        reqs[rid] = (prompt, table, count)
+    deadline, done, failed = time.monotonic() + job["wait_s"], set(), set()
+    while time.monotonic() < deadline and not set(reqs) <= done | failed:
+        _, recving, failed_now, _ = inst.step()
+        done |= recving
+        failed |= failed_now
+        time.sleep(0.01)
+    out = {}
+    for (rid, (prompt, table, count)), first in zip(reqs.items(), relay["first"], strict=True):
+        cache = model_caches(inst, table)
+        if e2e.get("drop_indexer"):  # the negative control: decode's indexer pages never filled
+            for buf in cache.index.values():
+                buf[table[prefix // bs :]] = 0
+        loaded = rid in done and rid not in failed
+        tokens = model.decode(first, len(prompt), cache, steps) if loaded else []
+        out[rid] = {"loaded": loaded, "tokens": tokens, "matched": count}
+    stats = [w.get_kv_connector_stats() for w in inst.workers]
+    say({"requests": out, "stats": [s.data if s else {} for s in stats]})
+    inst.shutdown()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
     job = json.loads(sys.argv[1])
     threading.current_thread().name = job["role"]
-    if job["role"] == "kv_producer":
+    if job.get("e2e"):
+        sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
+        if job["role"] == "kv_producer":
+            run_prefill_e2e(job)
+        else:
+            run_decode_e2e(job, json.loads(sys.stdin.readline()))
+    elif job["role"] == "kv_producer":
         run_prefill(job)
     else:
         run_decode(job, json.loads(sys.stdin.readline()))  # the router's relay of prefill's params
