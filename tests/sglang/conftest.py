@@ -70,6 +70,7 @@ class Pair:
         linger_s: float = 2.0,
         prefill_exits: bool = False,
         pool_pages: int = 48,
+        e2e: dict | None = None,
     ) -> tuple[dict | None, dict]:
         port = next(_ports)
         common = {
@@ -80,6 +81,7 @@ class Pair:
             "requests": requests,
             "timeout_s": 20.0,
             "pool_pages": pool_pages,
+            "e2e": e2e,
         }
         base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
         configs = {

@@ -47,6 +47,9 @@ from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 load_plugins()
+sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
+from tiny_dsa import PagedCache, TinyDsa  # noqa: E402
+
 ROLE = cfg["role"]
 PAGE = cfg["page_size"]
 POOL_PAGES = cfg.get("pool_pages", 48)
@@ -58,6 +61,8 @@ GEOM = json.loads((Path(cfg["model"]) / "config.json").read_text())
 NUM_LAYERS = GEOM["num_hidden_layers"]
 NUM_MTP = GEOM.get("num_nextn_predict_layers", 0)
 FULL = set(cfg["full_layers"])
+E2E = cfg.get("e2e")  # run the tiny DSA model (tests/e2e/tiny_dsa.py) on these caches
+MODEL = TinyDsa(NUM_LAYERS, sorted(FULL), seed=E2E["seed"]) if E2E else None
 
 server_args = prepare_server_args(
     [
@@ -133,6 +138,12 @@ class Rank:
 
         self.mgr.update_status = spy
 
+    def paged(self, table: np.ndarray) -> PagedCache:
+        """The tiny model's view of this rank's pool: page p of a layer is rows [p * PAGE, (p + 1) * PAGE)."""
+        main = {i: t.view(-1, PAGE * ROW) for i, t in enumerate(self.main)}
+        index = {i: t for i, t in enumerate(self.index) if t.shape[0]}
+        return PagedCache(main, index, table, PAGE)
+
     def take(self, n: int) -> np.ndarray:
         pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
         return np.array(pages, dtype=np.int64)
@@ -192,7 +203,9 @@ def run_prefill(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[
                 suffix = table[prefix // PAGE :]
                 slot = room % 8
                 r.meta.bootstrap_room[slot, 0] = room
-                r.meta.output_ids[slot, 0] = room % 1000
+                # prefill's first output token travels in the metadata row, as SGLang sends it
+                first = MODEL.prefill(req["prompt"], r.paged(table)) if MODEL else room % 1000
+                r.meta.output_ids[slot, 0] = first
                 s.init(len(suffix), slot)
                 step = req.get("chunk_pages") or max(len(suffix), 1)
                 starts = list(range(0, len(suffix), step)) or [0]
@@ -229,11 +242,15 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
             rc.init(0)
         states = walk(receivers, (KVPoll.WaitingForInput,), deadline)
         out: dict[str, Any] = {"room": room}
-        tables = [r.take(math.ceil(n_tokens / PAGE)) for r in ranks]
+        steps = E2E["steps"] if E2E else 0
+        tables = [r.take(math.ceil((n_tokens + steps) / PAGE)) for r in ranks]  # room for decoded tokens
+        end = math.ceil(n_tokens / PAGE)
         fault = req.get("fault")
         if min(states) == KVPoll.WaitingForInput:
             for r, rc, table in zip(ranks, receivers, tables, strict=True):
-                suffix = table[prefix // PAGE :].copy()
+                suffix = table[prefix // PAGE : end].copy()
+                if MODEL and prefix:
+                    MODEL.prefill(req["prompt"], r.paged(table), 0, prefix)  # decode's own prefix-cache hit
                 claimed = prefix
                 send = rc.send_metadata
                 if fault == "misaligned":
@@ -253,9 +270,16 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
                     r.mgr.corrupt_next_room = room
             states = walk(receivers, (KVPoll.Success,), deadline)
             for r, table in zip(ranks, tables, strict=True):
-                out.setdefault("dst_digests", []).append(r.page_digests(table[prefix // PAGE :]))
+                out.setdefault("dst_digests", []).append(r.page_digests(table[prefix // PAGE : end]))
                 out.setdefault("prefix_after", []).append(r.page_digests(table[: prefix // PAGE]))
                 out.setdefault("aux_room", []).append(int(r.meta.bootstrap_room[room % 8, 0]))
+                if MODEL and min(states) == KVPoll.Success:
+                    cache = r.paged(table)
+                    if fault == "drop_indexer":  # the negative control: the indexer pages never arrived
+                        for buf in cache.index.values():
+                            buf[table[prefix // PAGE : end]] = 0
+                    first = int(r.meta.output_ids[room % 8, 0])
+                    out.setdefault("tokens", []).append(MODEL.decode(first, n_tokens, cache, steps))
         out["states"] = states
         out["seconds"] = time.perf_counter() - started
         out["reasons"] = [
