@@ -57,8 +57,11 @@ def test_handoff_is_byte_exact(pair, transport: str) -> None:
     walks = {}
     for room, status in prefill["transitions"][0]:
         walks.setdefault(room, []).append(status)
-    for r in REQUESTS:  # the sender's KVPoll walk, as SGLang's scheduler polls it
-        assert sorted(set(walks[r["room"]])) == [1, 2, 3, 4] and walks[r["room"]][-1] == SUCCESS
+    for r in REQUESTS:  # the sender's KVPoll walk: monotonic, through WaitingForInput and Transferring
+        walk = walks[r["room"]]
+        # Bootstrapping (1) is seen only when the sender exists before decode's room message arrives;
+        # either order happens, as in SGLang, and the room then starts at WaitingForInput.
+        assert walk == sorted(walk) and {2, 3, 4} <= set(walk) <= {1, 2, 3, 4} and walk[-1] == SUCCESS, walk
     assert ("mooncake" if transport == "mooncake" else "UCX").lower() in prefill["data_path"].lower() or (
         transport == "mooncake" and "tcp" in prefill["data_path"]
     )
