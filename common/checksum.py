@@ -97,19 +97,17 @@ def _source_page(plan: TransferPlan, dst_page_index: int) -> int:
     return int(plan.src_pages[plan.chunks.src_page_index[hit[0]]])
 
 
-def whole_page_digests(region: Region, pages: np.ndarray) -> list[int]:
-    """One digest per listed page of a region (whole pages, in list order).
+def region_pages_digest(region: Region, pages: np.ndarray) -> int:
+    """One digest of a region's listed pages, whole and in list order.
 
-    When both sides copy whole pages of equal size (SGLang's contract), the source's and the destination's
-    page digests over their own suffix lists compare directly, with no shared plan needed.
+    When both sides copy whole pages of equal size (SGLang's contract), source and destination digests over
+    their own suffix lists compare directly, with no shared plan. Consecutive pages are hashed as one run.
     """
     ids = region.check_pages(pages)
-    return [
-        digest_runs(region.base_addr, np.array([p * region.page_stride]), np.array([region.page_bytes]))
-        for p in ids.tolist()
-    ]
-
-
-def fold(digests: list[int]) -> int:
-    """One digest of a list of digests (what travels per region; the per-page list names the page)."""
-    return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype=np.uint64).tobytes())
+    if ids.size == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    if region.page_stride == region.page_bytes:
+        starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
+        lengths = np.diff(np.append(starts, ids.size)) * region.page_bytes
+        return digest_runs(region.base_addr, ids[starts] * region.page_stride, lengths)
+    return digest_runs(region.base_addr, ids * region.page_stride, np.full(ids.size, region.page_bytes))

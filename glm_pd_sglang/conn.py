@@ -1,4 +1,4 @@
-"""The ``glm-pd`` transfer backend: manager, sender, receiver and bootstrap server on SGLang's ``Common*`` classes.
+"""The ``glm-pd`` transfer backend's manager on SGLang's ``CommonKVManager`` (sender etc.: endpoints.py).
 
 SGLang's common classes keep what SGLang users rely on: the bootstrap server and its routes, rooms and
 ``KVPoll``, the rank mapping (one MLA source rank per decode rank, dummies for the rest), heartbeats,
@@ -23,68 +23,26 @@ from typing import Any
 
 import numpy as np
 import zmq
-from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination, StateType
-from sglang.srt.disaggregation.common.conn import (
-    ABORT_TAG,
-    AbortNotification,
-    CommonKVBootstrapServer,
-    CommonKVManager,
-    CommonKVReceiver,
-    CommonKVSender,
-)
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common import checksum, protocol
 from glm_pd_common.errors import ConfigError, GlmPdError, PlanError, ProtocolError
 from glm_pd_common.fingerprint import PeerShape
-from glm_pd_common.geometry import ModelGeometry
 from glm_pd_common.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.plan import TransferPlan, build_plan
 from glm_pd_common.transport.base import Span, TransportConfig, create_transport
 from glm_pd_sglang import wire
 from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.kvargs import rank_caches
+from glm_pd_sglang.model import model_geometry, scale_format
 from glm_pd_sglang.rooms import Target, aux_runs, check_aux, check_suffix, int_pages
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
-
-
-def model_geometry(server_args: Any, revision: str = "") -> ModelGeometry:
-    """The model's geometry from its HF config (a local folder, or what transformers resolves)."""
-    from pathlib import Path
-
-    path = Path(str(server_args.model_path))
-    if path.is_dir():
-        geometry = ModelGeometry.from_config(path)
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(
-            str(server_args.model_path),
-            revision=getattr(server_args, "revision", None),
-            trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
-        )
-        geometry = ModelGeometry.from_config(config.to_dict())
-    if revision:
-        from dataclasses import replace
-
-        geometry = replace(geometry, revision=revision)
-    return geometry
-
-
-def _scale_format(config: GlmPdSglangConfig, device: str) -> str:
-    """fp32 power-of-two scales on SM90 and CPU; four UE8M0 bytes on SM100 and newer."""
-    if config.indexer_scale_format:
-        return config.indexer_scale_format
-    if device == "cuda":
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10:
-            return "ue8m0x4"
-    return "fp32"
 
 
 @dataclass
@@ -125,11 +83,10 @@ class GlmPdKVManager(CommonKVManager):
         self.caches = rank_caches(
             args,
             model_geometry(server_args, self.glm_config.model_revision),
-            scale_format=_scale_format(self.glm_config, device),
+            scale_format=scale_format(self.glm_config, device),
             mem_kind="DRAM" if device == "cpu" else "VRAM",
             device_id=int(getattr(args, "gpu_id", 0) or 0),
         )
-        self._dsa_component = [str(getattr(t, "value", t)) for t in args.state_types].index(StateType.DSA.value)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._peers: dict[str, _DecodePeer] = {}
@@ -244,7 +201,7 @@ class GlmPdKVManager(CommonKVManager):
         is_dummy: bool,
         device_kv_indices: np.ndarray | None = None,
     ) -> list[bytes]:
-        state = None if state_indices is None else state_indices[self._dsa_component]
+        state = None if state_indices is None else state_indices[self.caches.dsa_component]
         room = wire.Room(
             room=int(bootstrap_room),
             agent_name=self.transport.agent_name,
@@ -302,7 +259,7 @@ class GlmPdKVManager(CommonKVManager):
         return None
 
     def _region_digests(self, pages: np.ndarray) -> list[tuple[str, int]]:
-        return [(r.name, checksum.fold(checksum.whole_page_digests(r, pages))) for r in self.caches.regions]
+        return [(r.name, checksum.region_pages_digest(r, pages)) for r in self.caches.regions]
 
     # -- prefill: registration, rooms, aborts --------------------------------------------------------
     def _prefill_loop(self) -> None:
@@ -428,7 +385,7 @@ class GlmPdKVManager(CommonKVManager):
         """Queue one chunk for the transfer thread (the scheduler never waits on the wire)."""
         if bootstrap_room not in self.transfer_infos:
             return
-        state = None if state_indices is None else int_pages(state_indices[self._dsa_component], what="DSA pages")
+        state = None if state_indices is None else int_pages(state_indices[self.caches.dsa_component], what="DSA pages")
         pages = int_pages(kv_indices, what="prefill page ids")
         with self._lock:
             self._staging_outstanding[bootstrap_room] += 1  # holds Success and any drain ACK until written
@@ -460,9 +417,10 @@ class GlmPdKVManager(CommonKVManager):
         try:
             sent = self._sent_pages.setdefault(c.room, [])
             sent.append(c.pages)
+            whole = np.concatenate(sent) if c.is_last else c.pages  # the whole suffix matters only at the end
             for target in list(infos.values()):
                 if not target.is_dummy:
-                    self._write_chunk(target, c, np.concatenate(sent))
+                    self._write_chunk(target, c, whole)
             if c.is_last:
                 self._sent_pages.pop(c.room, None)
                 self._add_stat("seconds", time.perf_counter() - started)
@@ -536,78 +494,3 @@ class GlmPdKVManager(CommonKVManager):
             self._add_stat(f"{kind}_bytes", n)
         for kind, n in plan.runs_by_kind().items():
             self._add_stat(f"{kind}_runs", n)
-
-
-class GlmPdKVSender(CommonKVSender):
-    """SGLang's sender; glm-pd only applies failures decided before it existed and records the suffix size."""
-
-    def __init__(self, mgr: GlmPdKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any):
-        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
-        reason = mgr._pending_failures.pop(bootstrap_room, None)
-        if reason is not None:
-            mgr.record_failure(bootstrap_room, reason)
-            mgr.update_status(bootstrap_room, KVPoll.Failed)
-
-    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        super().init(num_kv_indices, aux_index)
-        self.kv_mgr._expected_pages[self.bootstrap_room] = int(num_kv_indices)
-
-    def clear(self) -> None:
-        super().clear()
-        self.kv_mgr._expected_pages.pop(self.bootstrap_room, None)
-        self.kv_mgr._sent_pages.pop(self.bootstrap_room, None)
-
-
-class GlmPdKVReceiver(CommonKVReceiver):
-    """SGLang's receiver; glm-pd checks decode's suffix before announcing it and verifies before Success."""
-
-    _pages: np.ndarray | None = None
-    _verified: bool = False
-
-    def send_metadata(
-        self,
-        kv_indices: np.ndarray,
-        aux_index: int | None = None,
-        state_indices: list | None = None,
-        decode_prefix_len: int | None = None,
-        destination: KVTransferDestination = KVTransferDestination.DEVICE,
-        device_kv_indices: np.ndarray | None = None,
-    ) -> None:
-        mgr: GlmPdKVManager = self.kv_mgr
-        pages = int_pages(kv_indices, what="decode page ids")
-        state = None if state_indices is None else state_indices[mgr._dsa_component]
-        try:
-            check_suffix(
-                int(decode_prefix_len or 0),
-                pages,  # type: ignore[arg-type]
-                int_pages(state, what="decode DSA state page ids"),
-                mgr.caches.page_tokens,
-                side="decode",
-            )
-            for region in mgr.caches.regions:
-                region.check_pages(pages, side="decode")  # type: ignore[arg-type]
-        except GlmPdError as exc:
-            mgr.record_failure(self.bootstrap_room, f"glm-pd refused room {self.bootstrap_room}: {exc}")
-            mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
-            self.ensure_abort_notified()
-            return
-        self._pages = pages
-        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination, device_kv_indices)
-
-    def poll(self) -> int:
-        status = super().poll()
-        mgr: GlmPdKVManager = self.kv_mgr
-        if status == KVPoll.Success and mgr.glm_config.verify_checksums and not self._verified:
-            problem = mgr.verify_room(self.bootstrap_room, self._pages if self._pages is not None else np.zeros(0))
-            if problem is not None:
-                mgr.record_failure(self.bootstrap_room, f"glm-pd room {self.bootstrap_room}: {problem}")
-                mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-                self.conclude_state = KVPoll.Failed
-                return KVPoll.Failed
-            self._verified = True
-        return status
-
-
-class GlmPdKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's own bootstrap server (routes, readiness, health) unchanged."""

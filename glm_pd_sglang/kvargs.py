@@ -37,6 +37,7 @@ class RankCaches:
     aux: list[Span]
     aux_item_lens: list[int]
     page_tokens: int
+    dsa_component: int  # index of the StateType.DSA entry in KVArgs' state lists
 
 
 def _value(x: Any) -> str:
@@ -106,15 +107,16 @@ def rank_caches(
         )
 
     regions = [region("main", i, ptrs[i], lens[i], items[i]) for i in range(len(ptrs))]
-    regions += _indexer_regions(kv_args, geometry, region)
+    dsa, indexer = _indexer_regions(kv_args, geometry, region)
+    regions += indexer
     aux = [
         Span(f"aux[{i}]", int(p), int(n), "DRAM", 0)
         for i, (p, n) in enumerate(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens, strict=True))
     ]
-    return RankCaches(spec, plan_order(regions), aux, [int(x) for x in kv_args.aux_item_lens], page)
+    return RankCaches(spec, plan_order(regions), aux, [int(x) for x in kv_args.aux_item_lens], page, dsa)
 
 
-def _indexer_regions(kv_args: Any, geometry: ModelGeometry, region: Any) -> list[Region]:
+def _indexer_regions(kv_args: Any, geometry: ModelGeometry, region: Any) -> tuple[int, list[Region]]:
     types = [_value(t) for t in getattr(kv_args, "state_types", None) or []]
     others = sorted(set(types) - {_DSA})
     if others:
@@ -142,4 +144,4 @@ def _indexer_regions(kv_args: Any, geometry: ModelGeometry, region: Any) -> list
             f"{list(geometry.full_indexer_layers)} plus MTP {list(geometry.mtp_layers)} "
             f"(differ on {sorted(set(owned) ^ set(geometry.indexer_layers))})"
         )
-    return [region("indexer", i, ptrs[i], lens[i], items[i]) for i in owned]
+    return k, [region("indexer", i, ptrs[i], lens[i], items[i]) for i in owned]

@@ -56,11 +56,11 @@ def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
 
     if getattr(transfer_backend, "value", transfer_backend) != BACKEND or class_type == KVClassType.KVARGS:
         return original(transfer_backend, class_type)
-    from glm_pd_sglang import conn
+    from glm_pd_sglang import conn, endpoints
 
     return {
         KVClassType.MANAGER: conn.GlmPdKVManager,
-        KVClassType.SENDER: conn.GlmPdKVSender,
-        KVClassType.RECEIVER: conn.GlmPdKVReceiver,
-        KVClassType.BOOTSTRAP_SERVER: conn.GlmPdKVBootstrapServer,
+        KVClassType.SENDER: endpoints.GlmPdKVSender,
+        KVClassType.RECEIVER: endpoints.GlmPdKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: endpoints.GlmPdKVBootstrapServer,
     }[class_type]

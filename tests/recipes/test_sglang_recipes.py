@@ -1,7 +1,6 @@
 """recipes/sglang: each launch command through SGLang 0.5.23's own server-argument parser, plugin loaded."""
 
 import json
-from pathlib import Path
 
 import pytest
 from sglang.srt.plugins import load_plugins
@@ -39,4 +38,3 @@ def test_launch_commands_parse(run_recipe, glm53: str, script: str, mode: str) -
 def test_default_model_is_glm53(run_recipe) -> None:
     argv, _ = run_recipe("sglang/prefill.sh")
     assert argv[argv.index("--model-path") + 1] == "zai-org/GLM-5.3-FP8"
-    assert Path(__file__).exists()

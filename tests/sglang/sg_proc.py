@@ -295,7 +295,7 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
 
 def main() -> None:
     if ROLE == "prefill":
-        from glm_pd_sglang.conn import GlmPdKVBootstrapServer
+        from glm_pd_sglang.endpoints import GlmPdKVBootstrapServer
 
         server = GlmPdKVBootstrapServer(host="127.0.0.1", port=cfg["bootstrap_port"])
     ranks = [Rank(i) for i in range(cfg["tp"])]

@@ -14,16 +14,16 @@ from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver  # noqa: E402
 from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
-from glm_pd_sglang import conn, plugin  # noqa: E402
+from glm_pd_sglang import conn, endpoints, plugin  # noqa: E402
 
 
 def test_backend_resolves_to_glm_pd_classes() -> None:
     backend = TransferBackend("glm-pd")
     assert backend is TransferBackend.GLM_PD
     assert get_kv_class(backend, KVClassType.MANAGER) is conn.GlmPdKVManager
-    assert get_kv_class(backend, KVClassType.SENDER) is conn.GlmPdKVSender
-    assert get_kv_class(backend, KVClassType.RECEIVER) is conn.GlmPdKVReceiver
-    assert get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER) is conn.GlmPdKVBootstrapServer
+    assert get_kv_class(backend, KVClassType.SENDER) is endpoints.GlmPdKVSender
+    assert get_kv_class(backend, KVClassType.RECEIVER) is endpoints.GlmPdKVReceiver
+    assert get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER) is endpoints.GlmPdKVBootstrapServer
     # KVArgs stays SGLang's own: the scheduler fills it, glm-pd reads it.
     assert get_kv_class(backend, KVClassType.KVARGS).__module__ == "sglang.srt.disaggregation.base.conn"
 
@@ -35,8 +35,8 @@ def test_other_backends_unchanged_and_hooks_reach_importers() -> None:
     import sglang.srt.disaggregation.prefill as prefill
 
     # prefill.py and decode.py bound get_kv_class by name at import; they see the hooked one.
-    assert prefill.get_kv_class(TransferBackend.GLM_PD, KVClassType.SENDER) is conn.GlmPdKVSender
-    assert decode.get_kv_class(TransferBackend.GLM_PD, KVClassType.RECEIVER) is conn.GlmPdKVReceiver
+    assert prefill.get_kv_class(TransferBackend.GLM_PD, KVClassType.SENDER) is endpoints.GlmPdKVSender
+    assert decode.get_kv_class(TransferBackend.GLM_PD, KVClassType.RECEIVER) is endpoints.GlmPdKVReceiver
     with pytest.raises(ValueError):
         TransferBackend("glm-pdx")
 

@@ -1,0 +1,88 @@
+"""SGLang's sender, receiver and bootstrap server with glm-pd's checks; the manager (conn.py) does the work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVReceiver, CommonKVSender
+
+from glm_pd_common.errors import GlmPdError
+from glm_pd_sglang.conn import GlmPdKVManager
+from glm_pd_sglang.rooms import check_suffix, int_pages
+
+
+class GlmPdKVSender(CommonKVSender):
+    """SGLang's sender; glm-pd only applies failures decided before it existed and records the suffix size."""
+
+    def __init__(self, mgr: GlmPdKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+        reason = mgr._pending_failures.pop(bootstrap_room, None)
+        if reason is not None:
+            mgr.record_failure(bootstrap_room, reason)
+            mgr.update_status(bootstrap_room, KVPoll.Failed)
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        super().init(num_kv_indices, aux_index)
+        self.kv_mgr._expected_pages[self.bootstrap_room] = int(num_kv_indices)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr._expected_pages.pop(self.bootstrap_room, None)
+        self.kv_mgr._sent_pages.pop(self.bootstrap_room, None)
+
+
+class GlmPdKVReceiver(CommonKVReceiver):
+    """SGLang's receiver; glm-pd checks decode's suffix before announcing it and verifies before Success."""
+
+    _pages: np.ndarray | None = None
+    _verified: bool = False
+
+    def send_metadata(
+        self,
+        kv_indices: np.ndarray,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices: np.ndarray | None = None,
+    ) -> None:
+        mgr: GlmPdKVManager = self.kv_mgr
+        pages = int_pages(kv_indices, what="decode page ids")
+        state = None if state_indices is None else state_indices[mgr.caches.dsa_component]
+        try:
+            check_suffix(
+                int(decode_prefix_len or 0),
+                pages,  # type: ignore[arg-type]
+                int_pages(state, what="decode DSA state page ids"),
+                mgr.caches.page_tokens,
+                side="decode",
+            )
+            for region in mgr.caches.regions:
+                region.check_pages(pages, side="decode")  # type: ignore[arg-type]
+        except GlmPdError as exc:
+            mgr.record_failure(self.bootstrap_room, f"glm-pd refused room {self.bootstrap_room}: {exc}")
+            mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+            self.ensure_abort_notified()
+            return
+        self._pages = pages
+        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination, device_kv_indices)
+
+    def poll(self) -> int:
+        status = super().poll()
+        mgr: GlmPdKVManager = self.kv_mgr
+        if status == KVPoll.Success and mgr.glm_config.verify_checksums and not self._verified:
+            problem = mgr.verify_room(self.bootstrap_room, self._pages if self._pages is not None else np.zeros(0))
+            if problem is not None:
+                mgr.record_failure(self.bootstrap_room, f"glm-pd room {self.bootstrap_room}: {problem}")
+                mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+                self.conclude_state = KVPoll.Failed
+                return KVPoll.Failed
+            self._verified = True
+        return status
+
+
+class GlmPdKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's own bootstrap server (routes, readiness, health) unchanged."""
