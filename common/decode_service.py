@@ -50,12 +50,25 @@ class LoadJob:
     num_tokens: int
     prefix_tokens: int  # decode's local prefix hit (page-aligned): those pages stay
     read: bool = True  # False: nothing to read (all tokens hit locally), only release prefill's pages
-    fault: str = ""  # test hook: "corrupt" flips a landed byte before verification
+    fault: str = ""  # test hook, one of FAULTS ("kind" or "kind:seconds"); never set from remote input
     remote_request_id: str = ""  # prefill's id for the request, when the engines name it differently
 
     @property
     def lease_id(self) -> str:
         return self.remote_request_id or self.request_id
+
+
+# Test hooks (the fault matrix and the demo): what each does to one load.
+FAULTS = {
+    "corrupt": "flip one landed byte before verification",
+    "stall_before_claim": "wait N s after the handshake, before claiming the lease",
+    "stall_mid": "wait N s after posting the first layer's reads, before the others",
+    "stall_before_release": "wait N s after the reads (and verification), before confirming",
+    "transport_error": "the first batch fails as if the backend reported an error",
+    "transport_hang": "the first batch never reports completion",
+    "lose_release": "the confirmation is never sent (a lost message); its answer is still awaited",
+    "duplicate_release": "the confirmation is sent twice",
+}
 
 
 @dataclass
@@ -134,6 +147,7 @@ class DecodeService:
                 peer = self._peer(remote, src_rank)
                 handoff.advance(HandoffState.WAITING_FOR_INPUT)
                 plan = self._plan(job, peer.view, result)
+                _stall(job, "stall_before_claim")
                 claim = self._ask(
                     peer,
                     protocol.TransferRequest(
@@ -150,13 +164,14 @@ class DecodeService:
                     (protocol.Claimed,),
                 )
                 handoff.advance(HandoffState.TRANSFERRING)
-                self._pull(peer, plan, result)
+                self._pull(peer, plan, result, job)
                 if job.fault == "corrupt":
                     last = plan.entries[-1].dst
                     ctypes_flip(last.base_addr + int(plan.dst_pages[-1]) * last.page_stride + last.page_bytes - 1)
                 if claim.digests is not None:
                     self._verify(peer, plan, claim.digests, job.lease_id)
-            self._release(remote, group, job.lease_id)
+                _stall(job, "stall_before_release")
+            self._release(remote, group, job.lease_id, job.fault)
             if job.read:
                 handoff.advance(HandoffState.SUCCESS)
             result.ok = True
@@ -182,13 +197,17 @@ class DecodeService:
         result.pages = {"prefill": int(src.size), "decode": int(dst.size)}
         return plan
 
-    def _pull(self, peer: _Peer, plan: TransferPlan, result: LoadResult) -> None:
+    def _pull(self, peer: _Peer, plan: TransferPlan, result: LoadResult, job: LoadJob) -> None:
         """Post every layer's runs (layer 0 first, each indexer with its layer), then wait for all."""
         t0 = time.perf_counter()
         posted = []
         try:
             for _, entries in plan.layers():
+                if len(posted) == 1:
+                    _stall(job, "stall_mid")
                 posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
+                if len(posted) == 1 and job.fault.startswith("transport_"):
+                    posted[0].fault = job.fault.removeprefix("transport_")
             for xfer in posted:
                 self.local.transport.wait(xfer, self.timeout_s)
         finally:
@@ -211,17 +230,16 @@ class DecodeService:
             pages = reply.pages
         verify(plan, digests, remote_pages=pages)
 
-    def _release(self, remote: RemotePrefill, group: list[int], request_id: str) -> None:
+    def _release(self, remote: RemotePrefill, group: list[int], request_id: str, fault: str = "") -> None:
         """Confirm to every prefill rank holding this request; the source rank's answer decides."""
         source = group[0]
+        done = protocol.Done(v=PROTOCOL_VERSION, request_id=request_id, num_bytes=0)
         for rank in group:
             try:
-                self._ask(
-                    self._peer(remote, rank),
-                    protocol.Done(v=PROTOCOL_VERSION, request_id=request_id, num_bytes=0),
-                    request_id,
-                    (protocol.Released,),
-                )
+                peer = self._peer(remote, rank)
+                self._ask(peer, done, request_id, (protocol.Released,), send=fault != "lose_release")
+                if fault == "duplicate_release":
+                    peer.client.send(done)
             except GlmPdError:
                 if rank == source:
                     raise
@@ -266,9 +284,10 @@ class DecodeService:
         self._peers[key] = _Peer(client, view, agent)
         return self._peers[key]
 
-    def _ask(self, peer: _Peer, msg: protocol.Message, request_id: str, want: tuple[type, ...]):
+    def _ask(self, peer: _Peer, msg: protocol.Message, request_id: str, want: tuple[type, ...], *, send: bool = True):
         """Send and wait for this request's answer (a late answer to an earlier request is skipped)."""
-        peer.client.send(msg)
+        if send:
+            peer.client.send(msg)
         deadline = time.monotonic() + self.timeout_s
         while True:
             reply = peer.client.recv(max(deadline - time.monotonic(), 0.001), progress=self.local.transport.notifs)
@@ -279,6 +298,13 @@ class DecodeService:
             if isinstance(reply, want):
                 return reply
             raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")
+
+
+def _stall(job: LoadJob, kind: str) -> None:
+    name, _, seconds = job.fault.partition(":")
+    if name == kind:
+        logger.warning("glm-pd test hook: %s stalls %s s (%s)", job.request_id, seconds, kind)
+        time.sleep(float(seconds))
 
 
 def ctypes_flip(addr: int) -> None:

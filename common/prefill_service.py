@@ -98,7 +98,13 @@ class PrefillService:
 
     def _step(self) -> None:
         for request_id, pages in drain(self._grants):
+            if request_id in self._leases:
+                # Two live requests under one id cannot both be served safely: neither is.
+                self._leases.drop(request_id)
+                self._end(Finished(request_id, "aborted", "a second request arrived under the same id"))
+                continue
             self._leases.grant(request_id, pages, releases=1)
+            self._gone.pop(request_id, None)  # an id used again after its earlier lease ended
             for key in [k for k in self._early_claims if k[0] == request_id]:
                 self._on_claim(key[1], self._early_claims.pop(key)[0])
         for lease in self._leases.expire():

@@ -11,6 +11,7 @@ from glm_pd_common.errors import PageOutOfRange, PlanError, ProtocolError
 from glm_pd_common.pages import suffix_page_span
 from glm_pd_common.transport.base import Span
 
+_INT64_MAX = (1 << 63) - 1  # run addresses are int64: a buffer reaching past this cannot be addressed
 
 @dataclass
 class Target:
@@ -50,9 +51,15 @@ def int_pages(values: Sequence[int] | np.ndarray | None, *, what: str) -> np.nda
     """Remote or engine page lists as int64, refusing non-integer input."""
     if values is None:
         return None
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except (ValueError, OverflowError, TypeError) as exc:  # ragged, or an integer past 64 bits
+        raise ProtocolError(f"{what} are not a flat list of 64-bit integers: {exc}") from exc
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ProtocolError(f"{what} are not integers (dtype {arr.dtype})")
+    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
+        # msgpack carries uint64; a cast would wrap such an id to a negative one instead of refusing it
+        raise ProtocolError(f"{what}: page id {int(arr.max())} does not fit in int64")
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
@@ -67,7 +74,7 @@ def check_aux(local_items: list[int], remote: Sequence[tuple[int, int, int]], *,
         )
     spans = []
     for i, (ptr, data_len, item) in enumerate(remote):
-        if ptr <= 0 or data_len < item or item < 0:
+        if ptr <= 0 or data_len < item or item < 0 or ptr + data_len > _INT64_MAX:
             raise ProtocolError(f"decode {peer} metadata buffer {i}: pointer {ptr:#x}, {data_len} B, item {item} B")
         spans.append(Span(f"decode aux[{i}]", ptr, data_len))
     return spans

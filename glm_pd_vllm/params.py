@@ -15,9 +15,11 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.geometry import ModelGeometry
 from glm_pd_common.pages import num_pages_for
 from glm_pd_common.spec import CacheSpec
+from glm_pd_common.tp import SUPPORTED_TP
 from glm_pd_vllm.config import GlmPdVllmConfig
 
 MAX_BLOCKS = 1 << 22  # 4M blocks of 16 tokens: far past any context; more is hostile
+MAX_BLOCK_ID = (1 << 63) - 1  # ids travel as int64; a larger JSON integer would overflow, not be refused
 
 _VLLM_CACHE_DTYPES = {
     "auto": "bf16",
@@ -73,6 +75,9 @@ def parse_remote(params: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("kv_transfer_params['remote_block_ids'] must be a list of block ids")
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
         raise ConfigError("kv_transfer_params['remote_block_ids'] holds a non-integer block id")
+    bad = [b for b in (min(blocks, default=0), max(blocks, default=0)) if not 0 <= b <= MAX_BLOCK_ID]
+    if bad:
+        raise ConfigError(f"kv_transfer_params['remote_block_ids'] holds block id {bad[0]}, outside 0..{MAX_BLOCK_ID}")
     need = num_pages_for(num_tokens, page_tokens)
     if len(blocks) != need:
         raise ConfigError(
@@ -82,12 +87,15 @@ def parse_remote(params: dict[str, Any]) -> dict[str, Any]:
     port = _int(params, "remote_port", minimum=1)
     if port > 65535:
         raise ConfigError(f"kv_transfer_params['remote_port'] {port} is not a port")
+    tp_size = _int(params, "tp_size", minimum=1)
+    if tp_size not in SUPPORTED_TP:
+        raise ConfigError(f"kv_transfer_params['tp_size'] must be one of {SUPPORTED_TP}, got {tp_size}")
     return {
         "engine_id": _str(params, "remote_engine_id"),
         "request_id": _str(params, "remote_request_id"),
         "host": _str(params, "remote_host"),
         "port": port,
-        "tp_size": _int(params, "tp_size", minimum=1),
+        "tp_size": tp_size,
         "num_tokens": num_tokens,
         "page_tokens": page_tokens,
         "block_ids": np.asarray(blocks, dtype=np.int64),

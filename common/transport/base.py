@@ -77,6 +77,7 @@ class Transfer:
     num_bytes: int
     what: str
     handle: object = None
+    fault: str = ""  # test hook: "error" fails the next poll as a backend error would; "hang" never completes
 
 
 class _Blob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -260,8 +261,10 @@ class Transport(abc.ABC):
         return self.post(peer, op, local, remote, lens, notif=notif, what=describe_entries(chosen))
 
     def poll(self, xfer: Transfer) -> bool:
+        if xfer.fault == "error":
+            raise TransferFailed(f"{self.backend} {xfer.op} of {xfer.what} with peer {xfer.peer} failed (injected)")
         try:
-            return self._poll(xfer)
+            return self._poll(xfer) and xfer.fault != "hang"
         except TransferFailed:
             raise
         except Exception as exc:
