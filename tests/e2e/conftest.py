@@ -20,6 +20,11 @@ from tiny_mla_model import make_model
 BLOCK = 32  # AMX_MLA takes block sizes that are multiples of 32
 START_S = 300  # two servers starting at once on two cores
 MAX_TOKENS = 12
+# Mooncake (TCP here). With NIXL, the prefill worker's first load of a decode agent (nixl add_remote_agent,
+# on glm-pd's service thread) stalled that whole worker process, engine steps included, for up to the decode
+# timeout: py-spy showed the thread inside add_remote_agent while vLLM's engine core logged that the worker
+# had read no broadcast for 60 s. The NIXL handoff itself is covered in tests/vllm (pd_proc.py processes).
+TRANSPORT = os.environ.get("GLM_PD_E2E_TRANSPORT", "mooncake")
 
 
 def _free_port() -> int:
@@ -127,10 +132,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         "kv_connector": "GlmPdConnector", "kv_connector_module_path": "glm_pd_vllm.connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", "side_channel_port": side,
-                                      "allow_tcp": True, "verify_checksums": True},
+                                      "allow_tcp": True, "verify_checksums": True, "transport": TRANSPORT},
     }  # fmt: skip
     consumer = {**producer, "kv_role": "kv_consumer",
-                "kv_connector_extra_config": {"allow_tcp": True, "verify_checksums": True}}  # fmt: skip
+                "kv_connector_extra_config": {"allow_tcp": True, "verify_checksums": True,
+                                              "transport": TRANSPORT}}  # fmt: skip
     servers = {
         "prefill": Server("prefill", model, logs, "--kv-transfer-config", json.dumps(producer)),
         "decode": Server(

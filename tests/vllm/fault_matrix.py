@@ -8,6 +8,7 @@ Used by ``test_fault_matrix.py`` (asserts every row) and ``benchmarks/fault_matr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -26,6 +27,7 @@ LEASE_S, TIMEOUT_S = 3.0, 3.0  # short, so expiry cases settle in seconds
 STALL_S = TIMEOUT_S + 1.5  # longer than the lease and the transfer hold: each stall outlives what it races
 SETTLE_S = LEASE_S + TIMEOUT_S + 6  # every hold that could outlive a fault has ended by then
 _seeds = itertools.count(100)
+_SERVICE_STATE = ("leases", "early_claims", "plans", "inflight", "pending")  # per-request state in the services
 
 
 class Peer:
@@ -71,10 +73,15 @@ class Peer:
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None:
                 raise TimeoutError(f"{self.engine_id}: no {event} event for {rid} in {timeout} s; log {self.log}")
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._seen.append(self.events.get(timeout=min(left, 0.5)))
-            except queue.Empty:
-                pass
+
+    def discard(self, event: str) -> None:
+        """Forget events of one kind nobody waits for (a long soak would otherwise keep them all)."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._seen.append(self.events.get_nowait())
+        self._seen = [ev for ev in self._seen if ev["event"] != event]
 
     def status(self) -> dict:
         self.send(op="status")
@@ -149,11 +156,12 @@ class Matrix:
         deadline = time.monotonic() + SETTLE_S
         while True:
             p, d = self.prefill.status(), self.decode.status()
-            left = {k: v for s in (p, d) for k, v in s.items() if k in ("leases", "early_claims", "plans", "inflight", "pending") and v}
+            left = {k: v for s in (p, d) for k, v in s.items() if k in _SERVICE_STATE and v}
             if (p["blocks_held"] == 0 and d["blocks_held"] == 0 and not left) or time.monotonic() > deadline:
                 break
             time.sleep(0.25)
-        row.prefill_blocks_left, row.decode_blocks_left, row.service_state_left = p["blocks_held"], d["blocks_held"], left
+        row.prefill_blocks_left, row.decode_blocks_left = p["blocks_held"], d["blocks_held"]
+        row.service_state_left = left
         nxt = self.handoff(tokens=300, prefix=128)
         row.next_ok = nxt["outcome"] == "loaded" and not nxt["mismatched"]
 
@@ -191,14 +199,15 @@ def _restart_prefill(m: Matrix, rid: str) -> None:
     m.prefill = Peer("kv_producer", f"P{next(m._rids)}", m.port, m.log_dir, model=m.model)  # a new identity
 
 
-def _restart_decode(m: Matrix, row: Row, rid: str, killed_at: float) -> None:
+def _restart_decode(m: Matrix, row: Row, rid: str) -> None:
+    """SIGKILL decode mid-load; prefill must free the blocks when the claimed hold ends (nobody confirms)."""
+    killed_at = time.monotonic()
     m.decode.kill()
-    m.decode = Peer("kv_consumer", f"D{next(m._rids)}", m.port, m.log_dir, model=m.model)
-    held = m.prefill.status()
+    freed = m.prefill.wait("freed", rid, timeout=SETTLE_S)
     row.outcomes.append("decode killed")
-    row.reasons.append(f"prefill held {held['blocks_held']} blocks right after")
-    m.prefill.wait("freed", rid, timeout=SETTLE_S)  # by the claimed lease's end: nobody will confirm
-    row.detect_s = time.monotonic() - killed_at
+    row.reasons.append(f"prefill freed the blocks {freed['t'] - killed_at:.1f} s after the kill")
+    row.detect_s = freed["t"] - killed_at  # CLOCK_MONOTONIC is one clock for every process here
+    m.decode = Peer("kv_consumer", f"D{next(m._rids)}", m.port, m.log_dir, model=m.model)  # a new identity
 
 
 def case_decode_abort(state: str) -> Case:
@@ -238,7 +247,7 @@ def case_decode_killed(state: str) -> Case:
         params = m.prefill_leg(rid, row.tokens[0], seed)
         m.decode_leg(rid, params, seed, row.prefix, f"{fault}:{STALL_S * 4}")
         m.decode.wait("stalled", rid, timeout=TIMEOUT_S * 4)
-        _restart_decode(m, row, rid, time.monotonic())
+        _restart_decode(m, row, rid)
 
     return run
 
@@ -332,7 +341,8 @@ def cases(other_layers_model: str, no_mtp_model: str) -> list[tuple[str, str, st
         ("retry after failure", "after failure", "failed,failed", case_retry_after_failure),
         ("fingerprint: indexer_scale_format", "handshake", "failed",
          case_fingerprint("indexer_scale_format", {"extra": {"indexer_scale_format": "ue8m0x4"}})),
-        ("fingerprint: main_row_bytes", "handshake", "failed", case_fingerprint("main_row_bytes", {"cache_dtype": "auto"})),
+        ("fingerprint: main_row_bytes", "handshake", "failed",
+         case_fingerprint("main_row_bytes", {"cache_dtype": "auto"})),
         ("fingerprint: full_indexer_layers", "handshake", "failed",
          case_fingerprint("full_indexer_layers", {"model": other_layers_model})),
         ("fingerprint: mtp_layers", "handshake", "failed", case_fingerprint("mtp_layers", {"model": no_mtp_model})),

@@ -47,7 +47,7 @@ class _HookEvents(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("glm-pd test hook:"):
-            rid, seconds, where = record.args
+            rid, _seconds, where = record.args
             emit({"event": "stalled", "rid": rid, "where": where, "t": time.monotonic()})
 
 
@@ -140,7 +140,8 @@ class Serving:
             self.give_back(blocks, poison=False)
             emit({"event": "result", "rid": rid, "outcome": "no_load", "t0": t0, "t": time.monotonic()})
             return
-        self.inst.scheduler.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(int(b)) for b in blocks],)), count)
+        table = KVCacheBlocks(([KVCacheBlock(int(b)) for b in blocks],))
+        self.inst.scheduler.update_state_after_alloc(req, table, count)
         self.loading[rid] = {"req": req, "blocks": blocks, "n": n, "seed": cmd["seed"], "t0": t0, "aborted": False}
 
     def abort(self, cmd: dict) -> None:
@@ -181,8 +182,9 @@ class Serving:
             if state is None:
                 continue
             ok = rid not in failed
-            bad = [m for c in self.inst.caches for m in c.mismatched_tokens(state["blocks"], 0, state["n"], seed=state["seed"])]
-            self.give_back(state["blocks"], poison=False)
+            blocks, n, seed = state["blocks"], state["n"], state["seed"]
+            bad = [m for c in self.inst.caches for m in c.mismatched_tokens(blocks, 0, n, seed=seed)]
+            self.give_back(blocks, poison=False)
             emit({
                 "event": "result", "rid": rid, "outcome": "loaded" if ok else "failed", "aborted": state["aborted"],
                 "served_wrong": ok and not state["aborted"] and bool(bad), "mismatched": len(bad),
