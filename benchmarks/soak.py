@@ -109,7 +109,7 @@ def main() -> None:
         f"soak {result['minutes']} min: {result['requests']} requests, outcomes {result['outcomes']}, "
         f"served from bad KV {result['served_wrong']}, blocks left P/D "
         f"{result['prefill_blocks_left']}/{result['decode_blocks_left']}, "
-        f"handoff p50 {result['handoff_p50_ms']} ms p99 {result['handoff_p99_ms']} ms\\n"
+        f"handoff p50 {result['handoff_p50_ms']} ms p99 {result['handoff_p99_ms']} ms\n"
         f"{'t s':>6} {'done':>6} {'P RSS MB':>9} {'D RSS MB':>9} {'P blocks':>9} {'D blocks':>9}"
     )
     emit_rows(

@@ -100,6 +100,10 @@ class GlmPdKVManager(CommonKVManager):
         # Test hook: a room whose last indexer page gets one byte flipped after it lands, before
         # verification (what a faulty link or a stray writer would leave behind).
         self.corrupt_next_room: int | None = None
+        # Test hook: room -> "error" | "hang", applied to that room's first posted batch (common/transport).
+        self.transfer_faults: dict[int, str] = {}
+        # Rooms prefill aborted whose decode ranks are told once no write of theirs is outstanding.
+        self._prefill_aborts: dict[int, list[tuple[str, int]]] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if self.defer_decode_allocation:
             raise ConfigError("glm-pd does not implement --disaggregation-decode-allocation-policy prefill_complete")
@@ -141,7 +145,7 @@ class GlmPdKVManager(CommonKVManager):
     # -- both sides --------------------------------------------------------------------------------
     def leftovers(self) -> dict[str, int]:
         """Per-room state still held (every map must be empty once every room is cleared)."""
-        names = ["request_status", "_expected_pages", "_sent_pages", "_digests", "_pending_failures"]
+        names = ["request_status", "_expected_pages", "_sent_pages", "_digests", "_pending_failures", "_prefill_aborts"]
         names += ["transfer_infos", "req_to_decode_prefix_len"] if hasattr(self, "transfer_infos") else []
         held = {n: len(getattr(self, n)) for n in names}
         held["_staging_outstanding"] = sum(1 for v in self._staging_outstanding.values() if v)
@@ -370,6 +374,23 @@ class GlmPdKVManager(CommonKVManager):
             self.register_deferred_ack_target(room, ack)
             self._maybe_ack_drained_abort(room)
 
+    def prefill_aborted(self, room: int) -> None:
+        """Prefill aborted a room: its decode ranks must fail it now, not at their waiting timeout, but only
+        once no write into their pages is still in flight (they free those pages on Failed)."""
+        infos = self.transfer_infos.get(room) or {}
+        with self._lock:
+            self._prefill_aborts[room] = [(t.endpoint, t.dst_port) for t in infos.values()]
+        self._maybe_tell_decode_of_abort(room)
+
+    def _maybe_tell_decode_of_abort(self, room: int) -> None:
+        with self._lock:
+            if self._staging_outstanding.get(room, 0) > 0 or room not in self._prefill_aborts:
+                return
+            targets = self._prefill_aborts.pop(room)
+        self.send_kv_status_message(
+            targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason="prefill aborted the request"
+        )
+
     # -- prefill: transfers --------------------------------------------------------------------------
     def add_transfer_request(
         self,
@@ -407,6 +428,7 @@ class GlmPdKVManager(CommonKVManager):
                     else:
                         self._staging_outstanding.pop(chunk.room, None)
                 self._maybe_ack_drained_abort(chunk.room)
+                self._maybe_tell_decode_of_abort(chunk.room)
 
     def _run_chunk(self, c: _Chunk) -> None:
         infos = self.transfer_infos.get(c.room)
@@ -450,14 +472,16 @@ class GlmPdKVManager(CommonKVManager):
         whole = c.is_last and start == 0
         if c.pages.size:
             kinds = ("main", "indexer") if whole else ("main",)
-            self._post_plan(t, peer, kinds, c.pages, t.dst_pages[start:stop], t.decode_prefix_len + start * page)
+            self._post_plan(
+                c.room, t, peer, kinds, c.pages, t.dst_pages[start:stop], t.decode_prefix_len + start * page
+            )
         if c.is_last:
             if c.state_pages is None or not np.array_equal(c.state_pages, sent):
                 raise PlanError(
                     "prefill's DSA state pages are not its main KV suffix pages; the indexer would be misplaced"
                 )
             if not whole and sent.size:
-                self._post_plan(t, peer, ("indexer",), sent, t.dst_pages, t.decode_prefix_len)
+                self._post_plan(c.room, t, peer, ("indexer",), sent, t.dst_pages, t.decode_prefix_len)
             self._post_aux(t, peer, c.aux_index)
             if self.glm_config.verify_checksums:
                 names, digests = zip(*self._region_digests(sent), strict=True) if sent.size else ((), ())
@@ -467,13 +491,22 @@ class GlmPdKVManager(CommonKVManager):
                 )
 
     def _post_plan(
-        self, t: Target, peer: _DecodePeer, kinds: tuple[str, ...], src: np.ndarray, dst: np.ndarray, first_token: int
+        self,
+        room: int,
+        t: Target,
+        peer: _DecodePeer,
+        kinds: tuple[str, ...],
+        src: np.ndarray,
+        dst: np.ndarray,
+        first_token: int,
     ) -> None:
         mine = [r for r in self.caches.regions if r.kind in kinds]
         theirs = [r for r in peer.view.regions if r.kind in kinds]
         page = self.caches.page_tokens
         plan = build_plan(mine, theirs, src, dst, num_tokens=first_token + src.size * page, prefix_tokens=first_token)
-        self._wait(self.transport.post_plan(t.agent_name, plan, "WRITE"))
+        xfer = self.transport.post_plan(t.agent_name, plan, "WRITE")
+        xfer.fault = self.transfer_faults.pop(room, "")
+        self._wait(xfer)
         self._count(plan)
 
     def _post_aux(self, t: Target, peer: _DecodePeer, aux_index: int | None) -> None:

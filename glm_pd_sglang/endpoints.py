@@ -27,6 +27,10 @@ class GlmPdKVSender(CommonKVSender):
         super().init(num_kv_indices, aux_index)
         self.kv_mgr._expected_pages[self.bootstrap_room] = int(num_kv_indices)
 
+    def abort(self) -> None:
+        super().abort()
+        self.kv_mgr.prefill_aborted(self.bootstrap_room)
+
     def clear(self) -> None:
         super().clear()
         self.kv_mgr._expected_pages.pop(self.bootstrap_room, None)

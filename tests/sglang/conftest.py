@@ -126,3 +126,9 @@ class Pair:
 @pytest.fixture
 def pair(tmp_path: Path, tiny_model: str) -> Pair:
     return Pair(tmp_path, tiny_model)
+
+
+@pytest.fixture(scope="module")
+def module_pair(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> Pair:
+    """One pair for a module whose tests all read one long run."""
+    return Pair(tmp_path_factory.mktemp("pair"), tiny_model)

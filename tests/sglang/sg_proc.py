@@ -197,7 +197,15 @@ def run_prefill(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[
         if req.get("prefill_exit") == "after_bootstrap" and min(states) == KVPoll.WaitingForInput:
             print("GLMPD_TEST exiting mid-handoff", flush=True)
             os._exit(0)
-        if min(states) == KVPoll.WaitingForInput:
+        fault = req.get("prefill_fault")
+        if fault in ("error", "hang"):
+            for r in ranks:
+                r.mgr.transfer_faults[room] = fault
+        if fault == "abort" and min(states) == KVPoll.WaitingForInput:
+            for s in senders:
+                s.abort()  # prefill's scheduler aborts the request before it computes
+            states = [int(s.poll()) for s in senders]
+        elif min(states) == KVPoll.WaitingForInput:
             for r, s, table in zip(ranks, senders, tables, strict=True):
                 prefix = s.pop_decode_prefix_len()
                 suffix = table[prefix // PAGE :]
@@ -222,6 +230,7 @@ def run_prefill(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[
             if int(s.poll()) != KVPoll.Failed:
                 s.clear()
             r.give(table)  # the scheduler frees the request's pages either way
+            r.mgr.transfer_faults.pop(room, None)
         results.append(out)
     return results
 

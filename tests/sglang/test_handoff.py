@@ -4,37 +4,21 @@ What stands in for the GPU: the caches are host tensors shaped as SGLang's DSA p
 (SGLang's ``device="cpu"``); everything else is SGLang's and glm-pd's own code (see sg_proc.py).
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from glm_pd_common.tp import source_rank
+sys.path.insert(0, str(Path(__file__).parent))
+from checks import FAILED, SUCCESS, assert_clean, assert_exact
 
 PAGE = 64
 INDEXER_LAYERS = 4  # tiny model: full layers 0-2 plus the MTP layer
 MAIN_LAYERS = 7
-SUCCESS, FAILED = 4, 0
 
 
 def suffix_pages(req: dict) -> int:
     return -(-(req["tokens"] - req.get("prefix", 0)) // PAGE)
-
-
-def assert_clean(prefill: dict | None, decode: dict) -> None:
-    """Nothing is held once every room ended: no per-room state on either side, every page back."""
-    for report in [decode] + ([prefill] if prefill else []):
-        for held in report["leftovers"]:
-            assert not any(held.values()), held
-        assert all(n == report["pool_pages"] for n in report["free_pages"])
-
-
-def assert_exact(prefill: dict, decode: dict, prefill_tp: int = 1, decode_tp: int = 1) -> None:
-    for p, d in zip(prefill["results"], decode["results"], strict=True):
-        assert d["states"] == [SUCCESS] * decode_tp, d["reasons"]
-        assert p["states"] == [SUCCESS] * prefill_tp, p["reasons"]
-        for rank in range(decode_tp):
-            src = source_rank(rank, prefill_tp, decode_tp)
-            assert d["dst_digests"][rank] == p["src_digests"][src], f"room {d['room']} decode rank {rank}"
-            assert d["prefix_after"][rank] == d["prefix_before"][rank]  # decode's own prefix pages untouched
-            assert d["aux_room"][rank] == d["room"]  # the metadata row landed before Success
 
 
 REQUESTS = [
