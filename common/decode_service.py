@@ -52,6 +52,7 @@ class LoadJob:
     read: bool = True  # False: nothing to read (all tokens hit locally), only release prefill's pages
     fault: str = ""  # test hook, one of FAULTS ("kind" or "kind:seconds"); never set from remote input
     remote_request_id: str = ""  # prefill's id for the request, when the engines name it differently
+    submitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def lease_id(self) -> str:
@@ -84,6 +85,7 @@ class LoadResult:
     seconds: float = 0.0
     plan_ms: float = 0.0
     pages: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: queued, handshake, claim, pull, release
 
 
 @dataclass
@@ -141,10 +143,13 @@ class DecodeService:
         result = LoadResult(job.request_id, ok=False)
         remote = job.remote
         group = release_group(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
+        mark = _Phases(result.phases, job.submitted_at)
+        mark("queued")
         try:
             if job.read:
                 src_rank = source_rank(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
                 peer = self._peer(remote, src_rank)
+                mark("handshake")
                 handoff.advance(HandoffState.WAITING_FOR_INPUT)
                 plan = self._plan(job, peer.view, result)
                 _stall(job, "stall_before_claim")
@@ -163,6 +168,7 @@ class DecodeService:
                     job.lease_id,
                     (protocol.Claimed,),
                 )
+                mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
                 self._pull(peer, plan, result, job)
                 if job.fault == "corrupt":
@@ -171,7 +177,9 @@ class DecodeService:
                 if claim.digests is not None:
                     self._verify(peer, plan, claim.digests, job.lease_id)
                 _stall(job, "stall_before_release")
+                mark("pull")
             self._release(remote, group, job.lease_id, job.fault)
+            mark("release")
             if job.read:
                 handoff.advance(HandoffState.SUCCESS)
             result.ok = True
@@ -181,6 +189,12 @@ class DecodeService:
             self._abort(remote, group, job.lease_id, str(exc))
             self._forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
         result.states = handoff.states
+        logger.info(
+            "glm-pd decode: %s %s (%s)",
+            job.request_id,
+            "loaded" if result.ok else "failed",
+            ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.phases.items()),
+        )
         return result
 
     def _plan(self, job: LoadJob, view: PeerView, result: LoadResult) -> TransferPlan:
@@ -298,6 +312,17 @@ class DecodeService:
             if isinstance(reply, want):
                 return reply
             raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")
+
+
+class _Phases:
+    """Seconds spent in each phase of one load, from the moment the engine submitted it."""
+
+    def __init__(self, into: dict[str, float], since: float) -> None:
+        self.into, self.last = into, since
+
+    def __call__(self, phase: str) -> None:
+        now = time.monotonic()
+        self.into[phase], self.last = now - self.last, now
 
 
 def _stall(job: LoadJob, kind: str) -> None:

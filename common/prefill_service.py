@@ -143,6 +143,7 @@ class PrefillService:
             self.server.send(ident, protocol.PageDigests(v=PROTOCOL_VERSION, request_id=msg.request_id, pages=pages))
 
     def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
+        t0 = time.monotonic()
         try:
             peer = accept_hello(
                 self.local.spec, msg, backend=self.local.transport.backend, role="decode", local_role="prefill"
@@ -154,6 +155,7 @@ class PrefillService:
             return
         self._decodes[ident] = _Decode(ident, peer)
         self.server.send(ident, self.local.hello(self.local.transport.metadata()))
+        logger.info("glm-pd prefill: decode %s accepted in %.1f ms", msg.engine_id, (time.monotonic() - t0) * 1e3)
 
     def _on_claim(self, ident: bytes, msg: protocol.TransferRequest) -> None:
         if msg.request_id in self._gone:

@@ -8,6 +8,7 @@ vLLM's base classes; the core, torch-side code and transports load when a role i
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -29,11 +30,24 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _log_through_vllm() -> None:
+    """vLLM configures only its own logger tree; without this, glm-pd's lines (handshakes, refusals, each
+    failed load's reason) would reach a server's log unformatted, and only from WARNING up."""
+    vllm_logger = logging.getLogger("vllm")
+    for name in ("glm_pd_common", "glm_pd_vllm"):
+        ours = logging.getLogger(name)
+        if not ours.handlers and vllm_logger.handlers:
+            for handler in vllm_logger.handlers:
+                ours.addHandler(handler)
+            ours.setLevel(vllm_logger.getEffectiveLevel())
+
+
 class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         from glm_pd_common.errors import ConfigError
         from glm_pd_vllm.config import GlmPdVllmConfig
         from glm_pd_vllm.params import cache_spec

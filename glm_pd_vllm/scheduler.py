@@ -8,6 +8,7 @@ become a load of the suffix only; the scheduler parks the request until the work
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ class LoadSpec:
     prefix_tokens: int
     read: bool = True
     error: str = ""
+    queued_at: float = field(default_factory=time.monotonic)  # one clock for scheduler and workers (one host)
 
 
 @dataclass

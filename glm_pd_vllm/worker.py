@@ -139,6 +139,7 @@ class GlmPdWorker:
                     prefix_tokens=load.prefix_tokens,
                     read=load.read,
                     remote_request_id=load.remote_request_id,
+                    submitted_at=load.queued_at,
                 )
             )
 

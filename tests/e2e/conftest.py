@@ -20,11 +20,13 @@ from tiny_mla_model import make_model
 BLOCK = 32  # AMX_MLA takes block sizes that are multiples of 32
 START_S = 300  # two servers starting at once on two cores
 MAX_TOKENS = 12
-# Mooncake (TCP here). With NIXL, the prefill worker's first load of a decode agent (nixl add_remote_agent,
-# on glm-pd's service thread) stalled that whole worker process, engine steps included, for up to the decode
-# timeout: py-spy showed the thread inside add_remote_agent while vLLM's engine core logged that the worker
-# had read no broadcast for 60 s. The NIXL handoff itself is covered in tests/vllm (pd_proc.py processes).
-TRANSPORT = os.environ.get("GLM_PD_E2E_TRANSPORT", "mooncake")
+# Each server's worker on a core of its own. With vLLM's default binding ("auto") both workers bound their
+# OpenMP threads to both cores, and spinning OpenMP and shared-memory-queue threads (vLLM notes that
+# os.sched_yield does not release the GIL) starved glm-pd's service threads: glm-pd's per-load phase log
+# showed loads queued 1.3-1.6 s between vLLM's scheduler and the decode service, a release answered after
+# 5 s, and first handshakes outliving the 30 s lease. One core each: queued ~2 ms, a handshake in ~6 ms.
+CORE = {"prefill": "0", "decode": "1"}
+TRANSPORT = os.environ.get("GLM_PD_E2E_TRANSPORT", "nixl")  # or mooncake
 
 
 def _free_port() -> int:
@@ -138,9 +140,22 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                 "kv_connector_extra_config": {"allow_tcp": True, "verify_checksums": True,
                                               "transport": TRANSPORT}}  # fmt: skip
     servers = {
-        "prefill": Server("prefill", model, logs, "--kv-transfer-config", json.dumps(producer)),
+        "prefill": Server(
+            "prefill",
+            model,
+            logs,
+            "--kv-transfer-config",
+            json.dumps(producer),
+            env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]},
+        ),
         "decode": Server(
-            "decode", model, logs, "--kv-transfer-config", json.dumps(consumer), "--enable-prompt-tokens-details"
+            "decode",
+            model,
+            logs,
+            "--kv-transfer-config",
+            json.dumps(consumer),
+            "--enable-prompt-tokens-details",
+            env={"VLLM_CPU_OMP_THREADS_BIND": CORE["decode"]},
         ),
     }
     try:

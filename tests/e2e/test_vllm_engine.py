@@ -8,9 +8,7 @@ recomputes the last one on top of the loaded cache. The plain run taking that sa
 the same prompt again on its own ``cache_salt``. MLA's prefill and decode kernels round differently in
 bf16, so a cold plain run can differ from the warm one with no PD involved; the tests report that too.
 
-Status: run by `make test-engine`, not by `make test`. Servers started by hand and used after a minute idle
-passed every check here; servers launched by this fixture stall their first handshakes past the 30 s lease
-(the decode's load job is submitted seconds late, then its first READ waits; see issue 6's notes).
+Run by `make test` (`make test-engine`). Each server's worker has a core of its own (conftest.py says why).
 """
 
 import pytest

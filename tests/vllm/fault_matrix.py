@@ -286,13 +286,17 @@ def case_duplicate_prefill(m: Matrix, row: Row) -> None:
 
 
 def case_retry_after_failure(m: Matrix, row: Row) -> None:
-    """A load fails (a flipped byte); the router retries the same params: refused at once, nothing served."""
+    """A load fails (a flipped byte); the router retries the same params: refused at once, nothing served.
+    Then prefill runs again under the same request id: that new lease must be served."""
     seed, rid = next(_seeds), m.rid(row.case)
     params = m.prefill_leg(rid, row.tokens[0], seed)
     m.decode_leg(rid, params, seed, row.prefix, "corrupt")
     _record(row, m.decode.wait("result", rid, timeout=TIMEOUT_S * 4))
     m.decode_leg(f"{rid}-retry", params, seed, row.prefix)
     _record(row, m.decode.wait("result", f"{rid}-retry", timeout=TIMEOUT_S * 4))
+    fresh = m.prefill_leg(rid, row.tokens[0], seed + 1)  # the router redoes prefill; the engine reuses the id
+    m.decode_leg(f"{rid}-again", fresh, seed + 1, row.prefix)
+    _record(row, m.decode.wait("result", f"{rid}-again", timeout=TIMEOUT_S * 4))
 
 
 def case_fingerprint(field_name: str, job: dict) -> Case:
@@ -338,7 +342,7 @@ def cases(other_layers_model: str, no_mtp_model: str) -> list[tuple[str, str, st
         ("confirmation duplicated", "before release", "loaded", case_hook("duplicate_release")),
         ("duplicate request id at decode", "claim", "loaded,failed", case_duplicate_decode),
         ("duplicate request id at prefill", "grant", "failed,failed", case_duplicate_prefill),
-        ("retry after failure", "after failure", "failed,failed", case_retry_after_failure),
+        ("retry after failure", "after failure", "failed,failed,loaded", case_retry_after_failure),
         ("fingerprint: indexer_scale_format", "handshake", "failed",
          case_fingerprint("indexer_scale_format", {"extra": {"indexer_scale_format": "ue8m0x4"}})),
         ("fingerprint: main_row_bytes", "handshake", "failed",
