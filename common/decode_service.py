@@ -1,7 +1,9 @@
 """The decode side of a handoff, engine-free: handshake, plan, claim, layer-by-layer pull, verify, release.
 
-One thread owns this rank's transport and side-channel clients and runs loads one after another, so the
-engine's step never waits on the network. The adapter submits ``LoadJob``s and collects ``LoadResult``s.
+Loads run on service threads, never on the engine's step. Each prefill engine gets a lane (a thread) of its
+own, up to ``LANES``, and its loads run there in order, so one hung or slow prefill delays only the loads
+that depend on it; its side-channel clients are touched only by that lane. The adapter submits
+``LoadJob``s and collects ``LoadResult``s.
 A load counts only after prefill confirms its pages were held until the read finished (``Released``);
 anything else fails the request, and prefill is told to free its pages.
 """
@@ -15,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from glm_pd_common import protocol
 from glm_pd_common.checksum import mismatched_regions, verify
@@ -59,6 +62,9 @@ class LoadJob:
         return self.remote_request_id or self.request_id
 
 
+LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
+_MAX_REMEMBERED_ENGINES = 4096
+
 # Test hooks (the fault matrix and the demo): what each does to one load.
 FAULTS = {
     "corrupt": "flip one landed byte before verification",
@@ -102,34 +108,54 @@ class DecodeService:
         *,
         timeout_s: float,
         verify_digests: bool,
+        lanes: int = LANES,
     ) -> None:
         self.local = local
         self.timeout_s = timeout_s
         self.verify_digests = verify_digests
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"glm-pd-decode-{local.engine_id}", daemon=True)
-        self._thread.start()
+        self._lanes: list[queue.SimpleQueue[LoadJob | None]] = [queue.SimpleQueue() for _ in range(lanes)]
+        self._lane_of: dict[str, int] = {}  # prefill engine id -> its lane, first come first served
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(q,), name=f"glm-pd-decode-{local.engine_id}-{i}", daemon=True)
+            for i, q in enumerate(self._lanes)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # -- engine-facing, thread-safe ---------------------------------------------------------------
     def submit(self, job: LoadJob) -> None:
-        self._jobs.put(job)
+        engine = job.remote.engine_id
+        with self._lock:
+            lane = self._lane_of.get(engine)
+            if lane is None:
+                # Engine ids come from remote params: past the cap, lanes are picked by hash, not remembered.
+                lane = len(self._lane_of) % len(self._lanes)
+                if len(self._lane_of) < _MAX_REMEMBERED_ENGINES:
+                    self._lane_of[engine] = lane
+                else:
+                    lane = xxhash.xxh3_64_intdigest(engine.encode()) % len(self._lanes)
+        self._lanes[lane].put(job)
 
     def results(self) -> list[LoadResult]:
         return drain(self._results)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=self.timeout_s + 5)
+        for lane in self._lanes:
+            lane.put(None)
+        deadline = time.monotonic() + self.timeout_s + 5
+        for thread in self._threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         for peer in self._peers.values():
             peer.client.close()
         self._peers.clear()
 
     # -- the service thread -----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, jobs: queue.SimpleQueue[LoadJob | None]) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             try:
@@ -266,7 +292,7 @@ class DecodeService:
                 peer.client.send(protocol.Abort(v=PROTOCOL_VERSION, request_id=request_id, reason=reason[:500]))
 
     def _forget(self, remote: RemotePrefill) -> None:
-        for key in [k for k in self._peers if k[0] == remote.engine_id]:
+        for key in [k for k in list(self._peers) if k[0] == remote.engine_id]:  # other lanes add theirs
             peer = self._peers.pop(key)
             peer.client.close()
             self.local.transport.remove_peer(peer.agent)

@@ -69,7 +69,8 @@ class MooncakeTransport(Transport):
         if rc != 0:
             raise TransferFailed(f"Mooncake initialize({config.host}, P2PHANDSHAKE, {protocol}) returned {rc}")
         self.session_id = f"{config.host}:{self._engine.get_rpc_port()}"
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mooncake-{agent_name}")
+        # One worker per decode lane (decode_service.LANES): a stuck batch holds up only its own lane.
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"mooncake-{agent_name}")
         self._peers: dict[str, str] = {}
         self._registered: list[int] = []
 

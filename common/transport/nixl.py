@@ -8,6 +8,7 @@ kept in a backlog so none is lost.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from importlib import metadata as pkg_metadata
 
@@ -55,17 +56,22 @@ class NixlTransport(Transport):
             if not _tls_allows_rdma():
                 raise tcp_refusal("NIXL/UCX", f"UCX_TLS={os.environ['UCX_TLS']} excludes the RDMA transports")
         _prepare_environment(devices)
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self._devices = devices
+        # Decode runs loads from several prefill engines on several threads: the agent must lock.
+        sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         if config.devices:
             # The config class cannot pass UCX init params: create the backend by hand with the device list.
-            self._agent = nixl_agent(agent_name, nixl_agent_config(backends=[], enable_prog_thread=False))
+            conf = nixl_agent_config(backends=[], enable_prog_thread=False, sync_mode=sync)
+            self._agent = nixl_agent(agent_name, conf)
             self._agent.create_backend("UCX", {"ucx_devices": config.devices})
         else:
-            self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+            conf = nixl_agent_config(backends=["UCX"], enable_prog_thread=False, sync_mode=sync)
+            self._agent = nixl_agent(agent_name, conf)
         self._reg: list[object] = []
         self._backlog: list[tuple[str, bytes]] = []
+        self._backlog_lock = threading.Lock()
 
     def _register(self, regions: Sequence[Region | Span]) -> None:
         for kind in sorted({r.mem_kind for r in regions}):
@@ -126,9 +132,13 @@ class NixlTransport(Transport):
         self._agent.release_dlist_handle(remote_h)
 
     def _drain(self) -> None:
-        for peer, messages in self._agent.get_new_notifs().items():
-            name = peer.decode() if isinstance(peer, bytes) else peer
-            self._backlog.extend((name, m) for m in messages)
+        new = [
+            (peer.decode() if isinstance(peer, bytes) else peer, m)
+            for peer, messages in self._agent.get_new_notifs().items()
+            for m in messages
+        ]
+        with self._backlog_lock:
+            self._backlog.extend(new)
 
     def send_notif(self, peer: str, payload: bytes) -> None:
         try:
@@ -138,7 +148,8 @@ class NixlTransport(Transport):
 
     def notifs(self) -> list[tuple[str, bytes]]:
         self._drain()
-        out, self._backlog = self._backlog, []
+        with self._backlog_lock:
+            out, self._backlog = self._backlog, []
         return out
 
     def remove_peer(self, peer: str) -> None:

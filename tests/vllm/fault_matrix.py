@@ -13,6 +13,8 @@ import itertools
 import json
 import os
 import queue
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -299,6 +301,34 @@ def case_retry_after_failure(m: Matrix, row: Row) -> None:
     _record(row, m.decode.wait("result", f"{rid}-again", timeout=TIMEOUT_S * 4))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def case_other_prefill_hangs(m: Matrix, row: Row) -> None:
+    """A second prefill engine stops answering (SIGSTOP) before decode's handshake: its load fails at the
+    timeout, and a load from the healthy prefill submitted right after it does not wait for it."""
+    other = Peer("kv_producer", f"Q{next(m._rids)}", free_port(), m.log_dir, model=m.model)
+    try:
+        seed, hung = next(_seeds), m.rid(row.case)
+        other.send(op="prefill", rid=hung, tokens=row.tokens[0], seed=seed)
+        params = other.wait("params", hung)["params"]
+        os.kill(other.proc.pid, signal.SIGSTOP)
+        m.decode_leg(hung, params, seed, row.prefix)
+        seed2, healthy = next(_seeds), m.rid(row.case)
+        m.decode_leg(healthy, m.prefill_leg(healthy, row.tokens[0], seed2), seed2, row.prefix)
+        ok = m.decode.wait("result", healthy, timeout=TIMEOUT_S * 4)
+        _record(row, m.decode.wait("result", hung, timeout=TIMEOUT_S * 4))
+        _record(row, ok)
+        if ok["t"] - ok["t0"] >= TIMEOUT_S:
+            row.error = f"the healthy prefill's load waited {ok['t'] - ok['t0']:.1f} s behind the hung one"
+    finally:
+        os.kill(other.proc.pid, signal.SIGCONT)
+        other.close()
+
+
 def case_fingerprint(field_name: str, job: dict) -> Case:
     """A decode whose layout differs in one byte-relevant field: refused at handshake, the field named."""
 
@@ -332,6 +362,7 @@ def cases(other_layers_model: str, no_mtp_model: str) -> list[tuple[str, str, st
         out.append(("decode SIGKILL", state, "decode killed", case_decode_killed(state)))
     out += [
         ("prefill restarts, new identity", "stale params", "failed", case_stale_params_after_restart),
+        ("another prefill hangs (SIGSTOP)", "handshake", "failed,loaded", case_other_prefill_hangs),
         ("lease expiry", "before read", "failed", case_hook(f"stall_before_claim:{STALL_S}")),
         ("lease expiry", "during read", "failed", case_hook(f"stall_mid:{STALL_S}")),
         ("lease expiry", "before confirmation", "failed", case_hook(f"stall_before_release:{STALL_S}")),

@@ -3,7 +3,6 @@ at every handoff state it can hit, must end with the faulted request failed loud
 output from bad KV, both block pools back to empty, no per-request state left in the services, a bounded
 time to detect, and the next request served byte-exact. Runs once per session (about four minutes)."""
 
-import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -21,10 +20,7 @@ NAMES = [f"{name} / {state}" for name, state, _, _ in fault_matrix.cases("", "")
 def rows(tmp_path_factory, tiny_model, tiny_model_other_layers) -> dict[str, fault_matrix.Row]:
     no_mtp = make_tiny_model(tmp_path_factory.mktemp("glm5-tiny-no-mtp"), num_nextn_predict_layers=0)
     logs = tmp_path_factory.mktemp("fault-matrix")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = fault_matrix.run(tiny_model, tiny_model_other_layers, no_mtp, logs, port)
+    out = fault_matrix.run(tiny_model, tiny_model_other_layers, no_mtp, logs, fault_matrix.free_port())
     return {f"{r.case} / {r.state}": r for r in out}
 
 
