@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_pd_common.errors import PlanError
+from glm_pd_common.errors import PageOutOfRange, PlanError
 from glm_pd_common.layout import PageFormat
 
 
@@ -118,6 +118,24 @@ def coalesce(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> tuple[np.
     starts[1:] = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1])
     idx = np.flatnonzero(starts)
     return s[idx], d[idx], np.add.reduceat(n, idx)
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def as_page_ids(pages: object, *, side: str) -> np.ndarray:
+    """Page ids (often a peer's) as int64 where they are integers. An id past int64 is refused as sent:
+    numpy would turn a list holding one into floats, or wrap a uint64 array's into negatives."""
+    if isinstance(pages, np.ndarray) and pages.dtype == np.uint64 and pages.size and int(pages.max()) > _INT64_MAX:
+        raise PageOutOfRange(f"{side} page id {int(pages.max())} is not a 64-bit page id")
+    if not isinstance(pages, np.ndarray):
+        flat = np.ravel(np.asarray(pages, dtype=object))
+        big = [p for p in flat if isinstance(p, int) and not -_INT64_MAX <= p <= _INT64_MAX]
+        if big:
+            raise PageOutOfRange(f"{side} page id {big[0]} is not a 64-bit page id")
+    ids = np.asarray(pages)
+    # non-integers pass through: each region's check refuses them, naming the region
+    return ids.astype(np.int64, copy=False) if np.issubdtype(ids.dtype, np.integer) else ids
 
 
 def check_unique(pages: np.ndarray, *, side: str) -> None:

@@ -89,6 +89,9 @@ class PeerView:
         return [Span(r.name, r.base_addr, r.size_bytes, r.mem_kind, r.device_id) for r in self.regions]
 
 
+_ADDRESS_LIMIT = (1 << 63) - 1
+
+
 def accept_hello(
     local: CacheSpec, hello: protocol.Hello, *, backend: str, role: str, local_role: str = "local"
 ) -> PeerView:
@@ -132,4 +135,10 @@ def accept_hello(
             raise ProtocolError(f"{role} {hello.engine_id} announced a bad region: {exc}") from exc
         if s.base_addr < 0 or s.is_mtp != (s.layer_id >= g.num_layers):
             raise ProtocolError(f"{role} {hello.engine_id}: region {regions[-1].name} has a bad address or MTP flag")
+        if s.base_addr + s.page_stride * s.num_pages > _ADDRESS_LIMIT:
+            # run addresses are int64: such a region could only overflow or wrap when a transfer is posted
+            raise ProtocolError(
+                f"{role} {hello.engine_id}: region {regions[-1].name} ends past the 64-bit address space "
+                f"(base {s.base_addr:#x} + {s.num_pages} pages x {s.page_stride} B)"
+            )
     return PeerView(hello.engine_id, hello.agent_name, shape, plan_order(regions), hello.agent_metadata)

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm_pd_common.errors import PlanError
-from glm_pd_common.pages import Chunks, check_unique, chunk_runs, coalesce, suffix_page_span, transfer_chunks
+from glm_pd_common.pages import (
+    Chunks,
+    as_page_ids,
+    check_unique,
+    chunk_runs,
+    coalesce,
+    suffix_page_span,
+    transfer_chunks,
+)
 from glm_pd_common.regions import Region, plan_order
 
 
@@ -178,7 +186,7 @@ def _checked_pages(
     side: str,
 ) -> np.ndarray:
     first, end = suffix_page_span(num_tokens, prefix_tokens, page_tokens, align_tokens=align_tokens)
-    ids = np.asarray(pages)
+    ids = as_page_ids(pages, side=side)
     if ids.ndim != 1 or ids.size != end - first:
         raise PlanError(
             f"{side} lists {ids.size} suffix pages; tokens {prefix_tokens}..{num_tokens} in pages of "

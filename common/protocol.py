@@ -10,7 +10,7 @@ from a minimal header, then the full shape. Nothing is half-applied.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -18,6 +18,8 @@ from glm_pd_common.errors import ProtocolError
 from glm_pd_common.fingerprint import PROTOCOL_VERSION, Fingerprint, PeerShape
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
+# Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
+PageId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
 class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -58,8 +60,8 @@ class TransferRequest(_Base, tag="transfer"):
     request_id: str
     num_tokens: int
     prefix_tokens: int
-    src_pages: list[int]
-    dst_pages: list[int]
+    src_pages: list[PageId]
+    dst_pages: list[PageId]
     dst_engine_id: str
     verify: bool = False
 
@@ -107,7 +109,7 @@ class DigestQuery(_Base, tag="digest_query"):
 
 class PageDigests(_Base, tag="page_digests"):
     request_id: str
-    pages: dict[int, list[int]]
+    pages: dict[int, list[int]]  # digests (uint64), not page ids
 
 
 Message = Union[

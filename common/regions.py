@@ -60,15 +60,14 @@ class Region:
         ids = np.asarray(page_ids)
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
             raise PageOutOfRange(f"{side} page ids for region {self.name} are not integers (dtype {ids.dtype})")
-        ids = ids.astype(np.int64, copy=False)
-        bad = (ids < 0) | (ids >= self.num_pages)
+        bad = (ids < 0) | (ids >= self.num_pages)  # on the ids as sent: a uint64 id is named as the peer sent it
         if np.any(bad):
             first = int(ids[np.argmax(bad)])
             raise PageOutOfRange(
                 f"{side} page id {first} is outside region {self.name} (valid 0..{self.num_pages - 1}); "
                 f"{int(bad.sum())} bad id(s) in all"
             )
-        return ids
+        return ids.astype(np.int64, copy=False)
 
 
 def build_regions(

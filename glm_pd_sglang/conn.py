@@ -43,6 +43,7 @@ from glm_pd_sglang.rooms import Target, aux_runs, check_aux, check_suffix, int_p
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+_MAX_DECODE_RANKS = 256  # decode attention-TP ranks one prefill rank may serve for a room
 
 
 @dataclass
@@ -320,7 +321,13 @@ class GlmPdKVManager(CommonKVManager):
         if m.agent_name not in self._peers:
             self._fail_room(m.room, f"decode {m.agent_name} sent room {m.room} before registering", key)
             return
-        pages = int_pages(m.dst_pages, what="decode page ids")
+        try:
+            pages = int_pages(m.dst_pages, what="decode page ids")
+            if not 1 <= m.required_dst_info_num <= _MAX_DECODE_RANKS:
+                raise ProtocolError(f"room {m.room} expects {m.required_dst_info_num} decode ranks")
+        except GlmPdError as exc:
+            self._fail_room(m.room, f"glm-pd refused room {m.room}: {exc}", key)
+            return
         if not m.is_dummy:
             try:
                 check_suffix(

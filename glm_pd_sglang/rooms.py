@@ -13,6 +13,7 @@ from glm_pd_common.transport.base import Span
 
 _INT64_MAX = (1 << 63) - 1  # run addresses are int64: a buffer reaching past this cannot be addressed
 
+
 @dataclass
 class Target:
     """One decode rank's destination for a room, as its room message described it."""
@@ -34,6 +35,8 @@ def check_suffix(
     the main KV's suffix pages (SGLang indexes the indexer by the KV page ids)."""
     if prefix_tokens < 0:
         raise PlanError(f"{side}: decode prefix length {prefix_tokens} is negative")
+    if prefix_tokens + max(pages.size, 1) * page_tokens > _INT64_MAX:  # the plan's token math is int64
+        raise PlanError(f"{side}: decode prefix length {prefix_tokens} with {pages.size} pages reaches past int64")
     # The same core rule the plan applies; any positive token count past the prefix checks the alignment.
     suffix_page_span(
         prefix_tokens + max(pages.size, 1) * page_tokens, prefix_tokens, page_tokens, align_tokens=page_tokens
@@ -56,6 +59,11 @@ def int_pages(values: Sequence[int] | np.ndarray | None, *, what: str) -> np.nda
     except (ValueError, OverflowError, TypeError) as exc:  # ragged, or an integer past 64 bits
         raise ProtocolError(f"{what} are not a flat list of 64-bit integers: {exc}") from exc
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        # numpy widens ints past int64 mixed with others to float64/object: name the id, not the dtype
+        items = [] if isinstance(values, np.ndarray) else values
+        wide = [v for v in items if type(v) is int and not -_INT64_MAX - 1 <= v <= _INT64_MAX]
+        if wide:
+            raise ProtocolError(f"{what}: page id {wide[0]} does not fit in int64")
         raise ProtocolError(f"{what} are not integers (dtype {arr.dtype})")
     if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
         # msgpack carries uint64; a cast would wrap such an id to a negative one instead of refusing it

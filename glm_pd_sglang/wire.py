@@ -59,6 +59,11 @@ class Digests(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: list[str]
     digests: list[int]
 
+    def __post_init__(self) -> None:
+        # verify_room pairs them with zip(strict=True): a mismatch there would raise in decode's poll loop
+        if len(self.regions) != len(self.digests):
+            raise ValueError(f"{len(self.regions)} region names but {len(self.digests)} digests")
+
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -69,11 +74,12 @@ def frames(tag: bytes, message: msgspec.Struct) -> list[bytes]:
 
 def parse(msg: list[bytes], kind: type[T]) -> T:
     """Decode the payload frame of a tagged message; refuse a wrong frame count, oversize or bad shape."""
+    tag = msg[0][:32] if msg else b""
     if len(msg) != 2:
-        raise ProtocolError(f"{msg[0]!r} message has {len(msg)} frames, expected 2")
+        raise ProtocolError(f"{tag!r} message has {len(msg)} frames, expected 2")
     if len(msg[1]) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"{msg[0]!r} message of {len(msg[1])} bytes exceeds the cap of {MAX_MESSAGE_BYTES}")
+        raise ProtocolError(f"{tag!r} message of {len(msg[1])} bytes exceeds the cap of {MAX_MESSAGE_BYTES}")
     try:
         return msgspec.msgpack.decode(msg[1], type=kind)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed {msg[0]!r} message: {exc}") from exc
+        raise ProtocolError(f"malformed {tag!r} message: {exc}") from exc

@@ -6,6 +6,8 @@ the token count before a load is planned (the core plan then bounds-checks every
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from glm_pd_vllm.config import GlmPdVllmConfig
 
 MAX_BLOCKS = 1 << 22  # 4M blocks of 16 tokens: far past any context; more is hostile
 MAX_BLOCK_ID = (1 << 63) - 1  # ids travel as int64; a larger JSON integer would overflow, not be refused
+_HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}(\.[A-Za-z0-9][A-Za-z0-9_-]{0,62})*\.?")
 
 _VLLM_CACHE_DTYPES = {
     "auto": "bf16",
@@ -62,6 +65,18 @@ def _str(params: dict[str, Any], key: str) -> str:
     return value
 
 
+def _host(params: dict[str, Any], key: str) -> str:
+    """An IP address or a DNS name: decode connects there, and zmq refuses anything else with a ZMQError."""
+    host = _str(params, key)
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(literal)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(host):
+            raise ConfigError(f"kv_transfer_params[{key!r}] is not an IP address or host name, got {host!r}") from None
+    return host
+
+
 def parse_remote(params: dict[str, Any]) -> dict[str, Any]:
     """Validate the params decode got from the router; returns the typed fields. Raises naming the field."""
     if not isinstance(params, dict):
@@ -93,7 +108,7 @@ def parse_remote(params: dict[str, Any]) -> dict[str, Any]:
     return {
         "engine_id": _str(params, "remote_engine_id"),
         "request_id": _str(params, "remote_request_id"),
-        "host": _str(params, "remote_host"),
+        "host": _host(params, "remote_host"),
         "port": port,
         "tp_size": tp_size,
         "num_tokens": num_tokens,

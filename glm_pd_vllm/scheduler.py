@@ -69,7 +69,7 @@ class GlmPdScheduler:
     # -- decode ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if not self.is_consumer or not params or not params.get("do_remote_prefill"):
+        if not self.is_consumer or not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         num_prompt = len(request.prompt_token_ids or [])
         try:

@@ -84,7 +84,7 @@ def test_fingerprint_mismatch_fails_cleanly_naming_the_field(pd, tiny_model_othe
     ("bad", "reason"),
     [
         ([10**9], "page id 1000000000 is outside region"),
-        ([-1], "page id -1 is outside region"),
+        ([-1], "holds block id -1, outside 0.."),  # refused by decode's scheduler, before any side channel
         (["x"], "non-integer block id"),
         ([], "remote_block_ids for 1000 tokens"),
     ],

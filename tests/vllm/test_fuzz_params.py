@@ -1,0 +1,335 @@
+"""Hostile ``kv_transfer_params``: decode's scheduler refuses them by key and fails the load, never crashes.
+
+The params come from the router (or anyone who can send decode a request): arbitrary JSON. parse_remote
+must turn them into typed fields or raise ConfigError naming the key; the scheduler must turn a refusal
+into a failed load that vLLM's failure policy handles, not an exception in its step loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.request import Request
+
+from glm_pd_common.errors import ConfigError
+from glm_pd_common.pages import num_pages_for
+from glm_pd_common.sidechannel import SideChannelClient
+from glm_pd_common.tp import SUPPORTED_TP
+from glm_pd_vllm.params import MAX_BLOCK_ID, MAX_BLOCKS, parse_remote
+
+INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
+BLOCK = 64
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+KEYS = [
+    "remote_num_tokens",
+    "remote_page_tokens",
+    "remote_block_ids",
+    "remote_port",
+    "tp_size",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+]
+
+json_ints = st.one_of(
+    st.integers(-3, 300),
+    st.integers(INT64_MIN, UINT64_MAX),
+    st.sampled_from([0, 1, 65535, 65536, MAX_BLOCK_ID, MAX_BLOCK_ID + 1, UINT64_MAX]),
+)
+json_scalars = st.one_of(
+    st.none(), st.booleans(), json_ints, st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=12,
+)
+
+
+@st.composite
+def valid_params(draw: st.DrawFn, num_tokens: int | None = None) -> dict[str, Any]:
+    """What a prefill's request_finished returns (plus the router's own keys, which parse_remote ignores)."""
+    page_tokens = draw(st.sampled_from([16, 32, 64, 128]))
+    num_tokens = num_tokens or draw(st.integers(1, 2000))
+    blocks = draw(
+        st.lists(
+            st.integers(0, MAX_BLOCK_ID),
+            min_size=num_pages_for(num_tokens, page_tokens),
+            max_size=num_pages_for(num_tokens, page_tokens),
+        )
+    )
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": draw(st.text(min_size=1, max_size=20)),
+        "remote_request_id": draw(st.text(min_size=1, max_size=20)),
+        "remote_host": draw(st.sampled_from(["10.0.0.1", "127.0.0.1", "::1", "prefill-0"])),
+        "remote_port": draw(st.integers(1, 65535)),
+        "tp_size": draw(st.sampled_from(SUPPORTED_TP)),
+        "remote_block_ids": draw(st.sampled_from([blocks, [blocks]])),  # flat, or vLLM's per-group form
+        "remote_num_tokens": num_tokens,
+        "remote_page_tokens": page_tokens,
+        "fingerprint": draw(st.text(max_size=16)),
+        "lease_s": 30.0,
+    }
+    for _ in range(draw(st.integers(0, 2))):  # unknown keys: the router may add its own
+        params[draw(st.text(max_size=10).filter(lambda k: k not in KEYS))] = draw(json_values)
+    return params
+
+
+def bad_value(key: str) -> st.SearchStrategy[Any]:
+    """Values that are wrong for ``key`` on their own (whatever the other keys say)."""
+    not_int = json_values.filter(lambda v: type(v) is not int)
+    if key in ("remote_num_tokens", "remote_page_tokens"):
+        return st.one_of(not_int, st.integers(INT64_MIN, 0), st.just(True))
+    if key == "remote_port":
+        return st.one_of(not_int, st.integers(INT64_MIN, 0), st.integers(65536, UINT64_MAX), st.just(True))
+    if key == "tp_size":
+        return st.one_of(not_int, json_ints.filter(lambda v: v not in SUPPORTED_TP), st.just(True))
+    if key == "remote_block_ids":
+        return st.one_of(
+            json_values.filter(lambda v: not isinstance(v, list)),
+            st.lists(st.one_of(st.booleans(), st.floats(), st.text(), st.none()), min_size=1, max_size=3),
+            st.lists(st.integers(INT64_MIN, -1), min_size=1, max_size=2),
+            st.lists(st.integers(MAX_BLOCK_ID + 1, UINT64_MAX + 10), min_size=1, max_size=2),
+            st.just([[0], [1]]),  # two KV-cache groups: DSA has one
+        )
+    return st.one_of(
+        json_values.filter(lambda v: not isinstance(v, str)), st.just(""), st.text(min_size=257, max_size=300)
+    )
+
+
+def check_parsed(params: dict[str, Any], out: dict[str, Any]) -> None:
+    """A returned dict is exactly typed and faithful to the input."""
+    assert type(out["num_tokens"]) is int and out["num_tokens"] == params["remote_num_tokens"] >= 1
+    assert type(out["page_tokens"]) is int and out["page_tokens"] >= 1
+    assert type(out["port"]) is int and 1 <= out["port"] <= 65535
+    assert out["tp_size"] in SUPPORTED_TP and type(out["tp_size"]) is int
+    for key in ("engine_id", "request_id", "host"):
+        assert isinstance(out[key], str) and 0 < len(out[key]) <= 256
+    ids = out["block_ids"]
+    assert isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1
+    assert ids.size == num_pages_for(out["num_tokens"], out["page_tokens"])
+    assert np.all(ids >= 0)
+    flat = params["remote_block_ids"]
+    flat = flat[0] if len(flat) == 1 and isinstance(flat[0], list) else flat
+    assert ids.tolist() == flat
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=valid_params())
+def test_valid_params_parse_to_exact_types(params) -> None:
+    """The converse of the refusals: what a real prefill sends always parses, to exact types."""
+    check_parsed(params, parse_remote(params))
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=valid_params(), key=st.sampled_from(KEYS), data=st.data())
+def test_one_bad_or_missing_key_is_refused_naming_it(params, key, data) -> None:
+    """One key wrong or missing in otherwise good params: the error names that key."""
+    if data.draw(st.booleans()):
+        del params[key]
+    else:
+        params[key] = data.draw(bad_value(key))
+    with pytest.raises(ConfigError, match=key):
+        parse_remote(params)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    params=st.one_of(
+        st.dictionaries(st.sampled_from(KEYS), json_values, max_size=8),
+        st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)), json_values, max_size=10),
+        json_values,
+    )
+)
+def test_arbitrary_json_is_parsed_or_refused_by_key(params) -> None:
+    """Anything JSON can say: typed fields, or ConfigError naming one of the keys. Never another exception."""
+    try:
+        out = parse_remote(params)
+    except ConfigError as exc:
+        assert "kv_transfer_params" in str(exc)
+        assert not isinstance(params, dict) or any(k in str(exc) for k in KEYS), str(exc)
+        return
+    check_parsed(params, out)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    params=valid_params(), flip=st.sampled_from(["remote_num_tokens", "remote_page_tokens", "remote_port", "tp_size"])
+)
+def test_bools_are_not_ints(params, flip) -> None:
+    """JSON true is not 1: a bool where an integer belongs is refused (Python would compare it equal)."""
+    params[flip] = True
+    with pytest.raises(ConfigError, match=flip):
+        parse_remote(params)
+
+
+def test_block_lists_past_the_cap_are_refused_without_a_scan() -> None:
+    """4M+1 ids: refused by length (the remote cannot make decode walk an arbitrarily long list)."""
+    params = {"remote_num_tokens": 1, "remote_page_tokens": 16, "remote_block_ids": [0] * (MAX_BLOCKS + 1)}
+    with pytest.raises(ConfigError, match="remote_block_ids"):
+        parse_remote(params)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    params=valid_params(),
+    host=st.one_of(
+        st.text(max_size=30),
+        st.from_regex(r"[a-z0-9.:\[\]*_ -]{1,20}", fullmatch=True),
+        st.sampled_from(["*", "a b", "\x00", "tcp://x", "host;rm", "[::1]", "::1", "10.0.0.1", "prefill-0.svc"]),
+    ),
+)
+def test_an_accepted_host_is_one_the_side_channel_can_connect_to(params, host) -> None:
+    """Decode connects to whatever remote_host says: one zmq cannot parse must be a ConfigError here, not a
+    ZMQError out of the decode service (which fails the load as an internal error, outside the abort path)."""
+    params["remote_host"] = host
+    try:
+        out = parse_remote(params)
+    except ConfigError as exc:
+        assert "remote_host" in str(exc)
+        return
+    SideChannelClient(out["host"], out["port"]).close()
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_BLOCK_ID + 1, UINT64_MAX, 1 << 80])
+def test_block_ids_outside_int64_are_refused_by_value(bad) -> None:
+    """What the earlier fix guards: an id past int64 would overflow np.asarray(..., int64), not be refused."""
+    params = {"remote_num_tokens": 32, "remote_page_tokens": 16, "remote_block_ids": [0, bad]}
+    with pytest.raises(ConfigError, match=rf"holds block id {bad}, outside 0\.\.{MAX_BLOCK_ID}"):
+        parse_remote(params)
+
+
+@pytest.mark.parametrize("tp", [0, 3, 6, 32, UINT64_MAX])
+def test_unsupported_tp_is_refused(tp) -> None:
+    """A TP size the rank mapping cannot serve is refused here, not inside the decode service."""
+    params = {
+        "remote_num_tokens": 16,
+        "remote_page_tokens": 16,
+        "remote_block_ids": [0],
+        "remote_port": 5710,
+        "tp_size": tp,
+    }
+    with pytest.raises(ConfigError, match="tp_size"):
+        parse_remote(params)
+
+
+# -- the scheduler: hostile params on a real vLLM Request --------------------------------------------
+@pytest.fixture(scope="module")
+def scheduler(tiny_model):
+    """Decode's scheduler-side GlmPdConnector, built by vLLM's factory from a real VllmConfig."""
+    kv = KVTransferConfig(
+        kv_connector="GlmPdConnector",
+        kv_connector_module_path="glm_pd_vllm.connector",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={"allow_tcp": True},
+    )
+    config = VllmConfig(
+        model_config=ModelConfig(model=tiny_model, skip_tokenizer_init=True, enforce_eager=True),
+        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="fp8"),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv,
+    )
+    kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[])
+    return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
+
+
+# vLLM itself refuses extra_args integers outside [-2**63, 2**64): those never reach a connector.
+engine_ints = st.integers(INT64_MIN, UINT64_MAX)
+engine_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), engine_ints, st.floats(allow_nan=False), st.text(max_size=8)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=12,
+)
+
+
+@st.composite
+def hostile_params(draw: st.DrawFn, num_tokens: int) -> dict[str, Any]:
+    """A real prefill's params for this prompt with 1-3 keys made hostile or dropped, or arbitrary JSON."""
+    if draw(st.integers(0, 4)) == 0:
+        params = draw(st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)), engine_json))
+    else:
+        params = draw(valid_params(num_tokens))
+        for key in draw(st.sets(st.sampled_from(KEYS), min_size=1, max_size=3)):
+            if draw(st.booleans()):
+                params.pop(key)
+            else:
+                params[key] = draw(bad_value(key).filter(lambda v: _engine_ok(v)))
+    params["do_remote_prefill"] = True
+    return params
+
+
+def _engine_ok(value: Any) -> bool:
+    """Would vLLM's SamplingParams accept this value in extra_args (ints within msgpack's range)?"""
+    if isinstance(value, bool) or not isinstance(value, (int, list, dict)):
+        return True
+    if isinstance(value, int):
+        return INT64_MIN <= value <= UINT64_MAX
+    return all(_engine_ok(v) for v in (value.values() if isinstance(value, dict) else value))
+
+
+_ids = iter(range(1 << 30))
+
+
+@FUZZ
+@given(data=st.data(), num_tokens=st.integers(1, 600), prefix_blocks=st.integers(0, 3))
+def test_hostile_params_become_a_failed_load_not_an_exception(scheduler, data, num_tokens, prefix_blocks) -> None:
+    """get_num_new_matched_tokens and update_state_after_alloc never raise; the load is queued with its error."""
+    params = data.draw(hostile_params(num_tokens))
+    prefix = min(prefix_blocks * BLOCK, (num_tokens - 1) // BLOCK * BLOCK)  # a block-aligned local hit
+    request_id = f"fuzz-{next(_ids)}"
+    request = Request(
+        request_id,
+        list(range(num_tokens)),
+        SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}),
+        None,
+    )
+    count, is_async = scheduler.get_num_new_matched_tokens(request, prefix)
+    assert (count, is_async) == (num_tokens - prefix, True)
+    local = [KVCacheBlock(b) for b in range(num_pages_for(num_tokens, BLOCK))]
+    scheduler.update_state_after_alloc(request, KVCacheBlocks((local,)), count)
+    meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    (load,) = [x for x in meta.loads if x.request_id == request_id]
+    try:
+        parse_remote(params)
+    except ConfigError as exc:
+        assert load.error.startswith("invalid kv_transfer_params: ") and str(exc) in load.error
+        assert load.remote_block_ids == [] and load.local_block_ids == list(range(len(local)))
+    else:  # every hostile key happened to be valid for the others: a normal load
+        assert load.error == "" and load.num_tokens == num_tokens and load.prefix_tokens == prefix
+    assert request.kv_transfer_params["do_remote_prefill"] is False  # never loaded twice after preemption
+
+
+def test_a_token_count_that_does_not_match_the_prompt_fails_the_load(scheduler) -> None:
+    """Valid-looking params for a different prompt: refused by the scheduler's own check, not by the plan."""
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_request_id": "r",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5710,
+        "tp_size": 1,
+        "remote_block_ids": [0, 1],
+        "remote_num_tokens": 128,
+        "remote_page_tokens": 64,
+    }
+    request = Request(
+        "short", list(range(100)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None
+    )
+    count, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(0), KVCacheBlock(1)],)), count)
+    (load,) = [x for x in scheduler.build_connector_meta(SchedulerOutput.make_empty()).loads if x.request_id == "short"]
+    assert "prefill computed 128 tokens; this prompt has 100" in load.error
