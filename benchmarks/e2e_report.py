@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "e2e"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))  # first: its conftest is the one wanted
 from conftest import Proc, make_tiny_model
 from tiny_dsa import TinyDsa, prompts
 

@@ -165,6 +165,11 @@ class Rank:
         return out
 
 
+def rss_kb() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
 def walk(objs: list[Any], until: tuple[int, ...], deadline: float) -> list[int]:
     """Poll every rank's object to a status in ``until`` (all ranks, as SGLang's MIN all-reduce would)."""
     while True:
@@ -225,6 +230,7 @@ def run_prefill(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[
             states = walk(senders, (KVPoll.Success,), deadline)
         out["states"] = states
         out["seconds"] = time.perf_counter() - started
+        out["rss_kb"] = rss_kb()
         out["reasons"] = [reason_of(s) if st == KVPoll.Failed else "" for s, st in zip(senders, states, strict=True)]
         for r, s, table in zip(ranks, senders, tables, strict=True):
             if int(s.poll()) != KVPoll.Failed:
@@ -291,6 +297,7 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
                     out.setdefault("tokens", []).append(MODEL.decode(first, n_tokens, cache, steps))
         out["states"] = states
         out["seconds"] = time.perf_counter() - started
+        out["rss_kb"] = rss_kb()
         out["reasons"] = [
             reason_of(rc) if st == KVPoll.Failed else "" for rc, st in zip(receivers, states, strict=True)
         ]
