@@ -216,9 +216,10 @@ class DecodeService:
             self._forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
         result.states = handoff.states
         logger.info(
-            "glm-pd decode: %s %s (%s)",
+            "glm-pd decode: %s %s: %s; %s",
             job.request_id,
             "loaded" if result.ok else "failed",
+            ", ".join(f"{kind} {n} B" for kind, n in result.bytes_by_kind.items()) or "0 B",
             ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.phases.items()),
         )
         return result

@@ -77,14 +77,18 @@ class Server:
             return json.load(r)
 
     def transfer_metrics(self, offset: int, loads: int, timeout_s: float = 20) -> dict[str, float]:
-        """Sum vLLM's 'KV Transfer metrics' log lines (GlmPdConnector's stats) written after ``offset``."""
+        """Sum GlmPdConnector's per-load log lines (``glm-pd decode: <id> loaded: main N B, ...``) written
+        after ``offset``. vLLM's own "KV Transfer metrics" lines carry the same counts, but in one run the first
+        load's line never came (its stats were not logged), so the connector's own line is what is counted."""
         deadline = time.monotonic() + timeout_s
         while True:
             text = self.log.read_text(errors="replace")[offset:]
-            total: dict[str, float] = {}
-            for line in re.findall(r"KV Transfer metrics: (.*)", text):
-                for key, value in re.findall(r"(\w+)=([\d.e+-]+)", line):
-                    total[key] = total.get(key, 0) + float(value)
+            total: dict[str, float] = {"bytes_main": 0, "bytes_indexer": 0}
+            for outcome, moved in re.findall(r"glm-pd decode: \S+ (loaded|failed): ([^;]*);", text):
+                key = "loads_ok" if outcome == "loaded" else "loads_failed"
+                total[key] = total.get(key, 0) + 1
+                for kind, n in re.findall(r"(\w+) (\d+) B", moved):
+                    total[f"bytes_{kind}"] = total.get(f"bytes_{kind}", 0) + int(n)
             if total.get("loads_ok", 0) + total.get("loads_failed", 0) >= loads or time.monotonic() > deadline:
                 return total
             time.sleep(0.5)
