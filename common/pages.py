@@ -125,15 +125,16 @@ _INT64_MAX = (1 << 63) - 1
 
 def as_page_ids(pages: object, *, side: str) -> np.ndarray:
     """Page ids (often a peer's) as int64 where they are integers. An id past int64 is refused as sent:
-    numpy would turn a list holding one into floats, or wrap a uint64 array's into negatives."""
-    if isinstance(pages, np.ndarray) and pages.dtype == np.uint64 and pages.size and int(pages.max()) > _INT64_MAX:
-        raise PageOutOfRange(f"{side} page id {int(pages.max())} is not a 64-bit page id")
-    if not isinstance(pages, np.ndarray):
-        flat = np.ravel(np.asarray(pages, dtype=object))
-        big = [p for p in flat if isinstance(p, int) and not -_INT64_MAX <= p <= _INT64_MAX]
-        if big:
-            raise PageOutOfRange(f"{side} page id {big[0]} is not a 64-bit page id")
+    numpy would turn a list holding one into floats or objects, or wrap a uint64 array's into negatives.
+    Only such hostile input is looked at element by element; a valid list converts in one numpy call."""
     ids = np.asarray(pages)
+    if ids.dtype == np.uint64 and ids.size and int(ids.max()) > _INT64_MAX:
+        raise PageOutOfRange(f"{side} page id {int(ids.max())} is not a 64-bit page id")
+    if ids.dtype.kind in "fO" and not isinstance(pages, np.ndarray):
+        flat = np.ravel(np.asarray(pages, dtype=object))
+        big = next((p for p in flat if isinstance(p, int) and not -_INT64_MAX <= p <= _INT64_MAX), None)
+        if big is not None:
+            raise PageOutOfRange(f"{side} page id {big} is not a 64-bit page id")
     # non-integers pass through: each region's check refuses them, naming the region
     return ids.astype(np.int64, copy=False) if np.issubdtype(ids.dtype, np.integer) else ids
 
