@@ -1,4 +1,4 @@
-"""Issue 6's report for the tiny DSA model through the vLLM connector harness (tests/vllm/pd_proc.py, NIXL
+"""Issue 6's report for the tiny DSA model through the vLLM connector harness (tests/support/vllm_pd_proc.py, NIXL
 on loopback): per case, the bytes moved by kind, the transfer runs, and how many prompts decode to exactly
 the monolithic run's tokens. The indexer-dropped case is the negative control (tokens must differ).
 Prints a table, writes JSON. Run in the vLLM venv: ``$(cat .venv-vllm-path)/bin/python benchmarks/e2e_report.py``.
@@ -9,17 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "e2e"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))  # first: its conftest is the one wanted
-from conftest import Proc, make_tiny_model
-from tiny_dsa import TinyDsa, prompts
-
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.report import emit_rows
+from glm_pd_common.layout.geometry import ModelGeometry
+from tests.support.emit import emit_rows
+from tests.support.tiny_dsa import TinyDsa, prompts
+from tests.support.vllm_harness import Proc, make_tiny_model
 
 STEPS, PREFILL_PAGE, DECODE_PAGE = 8, 16, 64
 PROMPTS = prompts(8, [90, 150, 200, 130, 70, 180, 110, 160])

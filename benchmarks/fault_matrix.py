@@ -1,22 +1,19 @@
 """The fault matrix over GlmPdConnector (tests/vllm/fault_matrix.py): a prefill and a decode instance over
 NIXL on loopback, one fault per case at one handoff state. Prints a table, writes JSON.
 
-Run in the vLLM venv: ``$(cat .venv-vllm-path)/bin/python benchmarks/fault_matrix.py``.
+Run in the vLLM venv: ``$(cat .venv-vllm-path)/bin/python -m benchmarks.fault_matrix``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
-import fault_matrix
-from conftest import make_tiny_model
-
-from glm_pd_common.report import emit_rows
+from tests.support import vllm_fault_matrix as fault_matrix
+from tests.support.emit import emit_rows
+from tests.support.vllm_harness import make_tiny_model
 
 
 def main() -> None:

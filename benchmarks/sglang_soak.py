@@ -1,10 +1,10 @@
-"""A bounded soak of the glm-pd SGLang backend: one prefill/decode pair (tests/sglang/sg_proc.py, real SGLang
+"""A bounded soak of the glm-pd SGLang backend: one prefill/decode pair (tests/support/sglang_proc.py, real SGLang
 backend classes, NIXL on loopback) serving a long run of random rooms (64..1,400 tokens, half with a decode
 prefix hit), with a low rate of injected faults. Reports rooms served, outcomes by fault, rooms served from
 bad KV (decode Success whose pages differ from prefill's: must be 0), pages and per-room state left (must be
 0), p50/p99 room time and RSS at the start and end. Prints a table, writes JSON.
 
-Run in the SGLang venv: ``$(cat .venv-sglang-path)/bin/python benchmarks/sglang_soak.py --rooms 600``.
+Run in the SGLang venv: ``$(cat .venv-sglang-path)/bin/python -m benchmarks.sglang_soak --rooms 600``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "sglang"))
-from conftest import TINY_GLM, Pair
-
-from glm_pd_common.report import emit_rows
+from tests.support.emit import emit_rows
+from tests.support.sglang_pair import TINY_GLM, Pair
 
 FAULTS = {"fault": ["abort", "corrupt"], "prefill_fault": ["error", "abort"]}  # all must end Failed
 

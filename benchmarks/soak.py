@@ -1,10 +1,10 @@
-"""A bounded soak of GlmPdConnector: a prefill and a decode instance (tests/vllm/pd_serve.py, real NIXL on
+"""A bounded soak of GlmPdConnector: a prefill and a decode instance (tests/support/vllm_pd_serve.py, real NIXL on
 loopback) serving random requests (64..1,400 tokens, half with a decode prefix hit) a few at a time, with a
 low rate of injected faults, for a few minutes. Reports throughput per window, failures by kind, requests
 served from bad KV (must be 0), blocks left once idle (must be 0), p50/p99 handoff time and both processes'
 RSS over time. Prints a table, writes JSON.
 
-Run in the vLLM venv: ``$(cat .venv-vllm-path)/bin/python benchmarks/soak.py --minutes 3``.
+Run in the vLLM venv: ``$(cat .venv-vllm-path)/bin/python -m benchmarks.soak --minutes 3``.
 """
 
 from __future__ import annotations
@@ -12,17 +12,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
-import fault_matrix as fm
-from conftest import make_tiny_model
-
-from glm_pd_common.report import emit_rows
+from tests.support import vllm_fault_matrix as fm
+from tests.support.emit import emit_rows
+from tests.support.vllm_harness import make_tiny_model
 
 # fault -> what the faulted request must end as
 FAULTS = {"corrupt": "failed", "transport_error": "failed", "lose_release": "failed", "duplicate_release": "loaded",

@@ -18,15 +18,15 @@ import time
 
 import numpy as np
 
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.hostmem import HostCaches, memcpy_gbps
-from glm_pd_common.pages import num_pages_for
-from glm_pd_common.plan import TransferPlan, build_plan
-from glm_pd_common.report import emit_rows
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.pages import num_pages_for
+from glm_pd_common.layout.plan import TransferPlan, build_plan
+from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.flat import FLAT_LAYER_ID, flat_region
+from glm_pd_common.tools.hostmem import HostCaches, memcpy_gbps
 from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
-from glm_pd_common.transport.flat import FLAT_LAYER_ID, flat_region
-from glm_pd_common.transport.peerproc import PeerProcess
+from tests.support.emit import emit_rows
+from tests.support.peerproc import PeerProcess
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
 PAGE_TOKENS = 64

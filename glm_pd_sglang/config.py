@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.layout import INDEXER_SCALE_FORMATS
+from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
 from glm_pd_common.transport.base import BACKENDS
 
 PREFIX = "SGLANG_GLM_PD_"

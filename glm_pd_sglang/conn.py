@@ -30,9 +30,9 @@ from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common import checksum, protocol
 from glm_pd_common.errors import ConfigError, GlmPdError, PlanError, ProtocolError
-from glm_pd_common.fingerprint import PeerShape
-from glm_pd_common.peer import Endpoint, PeerView, accept_hello
-from glm_pd_common.plan import TransferPlan, build_plan
+from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
+from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.transport.base import Span, TransportConfig, create_transport
 from glm_pd_sglang import wire
 from glm_pd_sglang.config import GlmPdSglangConfig

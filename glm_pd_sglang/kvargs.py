@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.layout import main_page_format
-from glm_pd_common.regions import MemKind, Region, plan_order
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.layout.formats import main_page_format
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.regions import MemKind, Region, plan_order
+from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span
 
 # Row bytes -> glm-pd's row format; the dtype string alone cannot tell 656 B fp8_ds_mla from 576 B raw fp8.

@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from glm_pd_common.geometry import ModelGeometry
+from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_sglang.config import GlmPdSglangConfig
 
 

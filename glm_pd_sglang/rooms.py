@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm_pd_common.errors import PageOutOfRange, PlanError, ProtocolError
-from glm_pd_common.pages import suffix_page_span
+from glm_pd_common.layout.pages import suffix_page_span
 from glm_pd_common.transport.base import Span
 
 _INT64_MAX = (1 << 63) - 1  # run addresses are int64: a buffer reaching past this cannot be addressed

@@ -13,7 +13,7 @@ from typing import TypeVar
 import msgspec
 
 from glm_pd_common.errors import ProtocolError
-from glm_pd_common.protocol import MAX_MESSAGE_BYTES
+from glm_pd_common.handoff.protocol import MAX_MESSAGE_BYTES
 
 TAG_REGISTER = b"GLMPD_REGISTER"
 TAG_ROOM = b"GLMPD_ROOM"
@@ -29,7 +29,7 @@ class AuxBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_l
 
 
 class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    hello: bytes  # glm_pd_common.protocol.Hello, encoded: fingerprint, shape, regions, transport metadata
+    hello: bytes  # glm_pd_common.handoff.protocol.Hello, encoded: fingerprint, shape, regions, transport metadata
     decode_ip: str
     decode_port: int
     engine_rank: int

@@ -13,8 +13,8 @@ import re
 import torch
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.regions import Region, build_regions
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.layout.regions import Region, build_regions
+from glm_pd_common.layout.spec import CacheSpec
 
 _MAIN = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.attn$")
 _INDEXER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.indexer\.k_cache$")

@@ -14,10 +14,10 @@ import numpy as np
 from vllm.config import VllmConfig
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.pages import num_pages_for
-from glm_pd_common.spec import CacheSpec
-from glm_pd_common.tp import SUPPORTED_TP
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.pages import num_pages_for
+from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_vllm.config import GlmPdVllmConfig
 
 MAX_BLOCKS = 1 << 22  # 4M blocks of 16 tokens: far past any context; more is hostile

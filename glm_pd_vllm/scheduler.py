@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.request import RequestStatus
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import parse_remote
 

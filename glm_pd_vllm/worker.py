@@ -16,11 +16,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from glm_pd_common.decode_service import DecodeService, LoadJob, RemotePrefill
-from glm_pd_common.fingerprint import PeerShape
-from glm_pd_common.peer import Endpoint
-from glm_pd_common.prefill_service import PrefillService
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, RemotePrefill
+from glm_pd_common.handoff.peer import Endpoint
+from glm_pd_common.handoff.prefill_service import PrefillService
+from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
 from glm_pd_vllm.caches import regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig

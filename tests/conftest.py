@@ -1,7 +1,7 @@
 import pytest
 
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.spec import CacheSpec
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import numpy as np
 import xxhash
 
 from glm_pd_common.errors import ConfigError, ProtocolError, TransferFailed
-from glm_pd_common.plan import RegionRuns, TransferPlan
-from glm_pd_common.regions import Region
+from glm_pd_common.layout.plan import RegionRuns, TransferPlan
+from glm_pd_common.layout.regions import Region
 
 Op = Literal["READ", "WRITE"]
 BACKENDS = ("nixl", "mooncake")

@@ -15,7 +15,7 @@ from importlib import metadata as pkg_metadata
 import numpy as np
 
 from glm_pd_common.errors import TransferFailed
-from glm_pd_common.regions import Region
+from glm_pd_common.layout.regions import Region
 from glm_pd_common.transport.base import (
     Span,
     Transfer,

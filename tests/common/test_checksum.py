@@ -3,10 +3,10 @@ import ctypes
 import numpy as np
 import pytest
 
-from glm_pd_common.checksum import page_digests, plan_digests, verify
 from glm_pd_common.errors import ChecksumMismatch
-from glm_pd_common.hostmem import HostCaches
-from glm_pd_common.plan import build_plan
+from glm_pd_common.layout.checksum import page_digests, plan_digests, verify
+from glm_pd_common.layout.plan import build_plan
+from glm_pd_common.tools.hostmem import HostCaches
 
 
 def _moved(spec, p=64, d=32):

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from glm_pd_common.cli import main
+from glm_pd_common.tools.cli import main
 
 M = 1 << 20
 
@@ -70,7 +70,7 @@ def test_disagreeing_config_exits_nonzero_with_layers(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     proc = subprocess.run(
-        [sys.executable, "-m", "glm_pd_common.cli", "plan", "--config", str(path), "--json"],
+        [sys.executable, "-m", "glm_pd_common.tools.cli", "plan", "--config", str(path), "--json"],
         capture_output=True,
         text=True,
     )

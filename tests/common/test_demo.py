@@ -6,12 +6,15 @@ import sys
 
 import pytest
 
-from glm_pd_common.demo_peers import MISMATCHES
+from glm_pd_common.tools.demo_peers import MISMATCHES
 
 
 def demo(*args, timeout=240):
     return subprocess.run(
-        [sys.executable, "-m", "glm_pd_common.cli", "demo", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "glm_pd_common.tools.cli", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

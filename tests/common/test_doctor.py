@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from glm_pd_common.demo_peers import MARK
-from glm_pd_common.doctor import check_ucx_path, parse_proto_info
+from glm_pd_common.tools.demo_peers import MARK
+from glm_pd_common.tools.doctor import check_ucx_path, parse_proto_info
 from glm_pd_common.transport.base import rdma_devices
 
 
 def doctor(*args):
     return subprocess.run(
-        [sys.executable, "-m", "glm_pd_common.cli", "doctor", "--json", *args],
+        [sys.executable, "-m", "glm_pd_common.tools.cli", "doctor", "--json", *args],
         capture_output=True,
         text=True,
         timeout=180,
@@ -70,7 +70,7 @@ def prefill_peer():
         "lease_s": 20,
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "glm_pd_common.demo_peers", "prefill"],
+        [sys.executable, "-m", "glm_pd_common.tools.demo_peers", "prefill"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -4,9 +4,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from glm_pd_common.errors import ConfigError, LayoutMismatch
-from glm_pd_common.fingerprint import Fingerprint, PeerShape, diff, require_convertible, require_match
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape, diff, require_convertible, require_match
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.spec import CacheSpec
 
 BASE = CacheSpec.create(ModelGeometry.preset("glm-5.3")).fingerprint()
 ALTERNATIVES = {

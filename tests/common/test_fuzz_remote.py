@@ -20,17 +20,17 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from glm_pd_common import protocol as proto
 from glm_pd_common.errors import ConfigError, GlmPdError, LayoutMismatch, PageOutOfRange, PlanError, ProtocolError
-from glm_pd_common.fingerprint import PROTOCOL_VERSION, Fingerprint, PeerShape
-from glm_pd_common.hostmem import HostCaches
-from glm_pd_common.layout import SUPPORTED_PAGE_TOKENS
-from glm_pd_common.pages import num_pages_for
-from glm_pd_common.peer import accept_hello, make_hello
-from glm_pd_common.plan import build_plan
-from glm_pd_common.sidechannel import SideChannelServer, SideChannelTimeout
-from glm_pd_common.spec import CacheSpec
-from glm_pd_common.tp import SUPPORTED_TP
+from glm_pd_common.handoff import protocol as proto
+from glm_pd_common.handoff.peer import accept_hello, make_hello
+from glm_pd_common.handoff.sidechannel import SideChannelServer, SideChannelTimeout
+from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION, Fingerprint, PeerShape
+from glm_pd_common.layout.formats import SUPPORTED_PAGE_TOKENS
+from glm_pd_common.layout.pages import num_pages_for
+from glm_pd_common.layout.plan import build_plan
+from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.layout.tp import SUPPORTED_TP
+from glm_pd_common.tools.hostmem import HostCaches
 
 INT64_MIN, INT64_MAX, UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.geometry import PRESETS, ModelGeometry
+from glm_pd_common.layout.geometry import PRESETS, ModelGeometry
 
 GLM53_FULL = {0, 1, 2, *range(6, 75, 4)}
 

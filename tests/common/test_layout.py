@@ -1,7 +1,7 @@
 import pytest
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.layout import IndexerFormat, main_row_format
+from glm_pd_common.layout.formats import IndexerFormat, main_row_format
 
 
 def test_fp8_ds_mla_row_is_656_with_named_ranges():

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from glm_pd_common.errors import LeaseExpired
-from glm_pd_common.handoff import Handoff, HandoffState
-from glm_pd_common.lease import LeaseTable
+from glm_pd_common.handoff.lease import LeaseTable
+from glm_pd_common.handoff.states import Handoff, HandoffState
 
 
 class Clock:

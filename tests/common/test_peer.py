@@ -3,11 +3,11 @@
 import msgspec
 import pytest
 
-from glm_pd_common import protocol
 from glm_pd_common.errors import ConfigError, LayoutMismatch, ProtocolError
-from glm_pd_common.fingerprint import PeerShape
-from glm_pd_common.hostmem import HostCaches
-from glm_pd_common.peer import accept_hello, make_hello
+from glm_pd_common.handoff import protocol
+from glm_pd_common.handoff.peer import accept_hello, make_hello
+from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.tools.hostmem import HostCaches
 
 
 @pytest.fixture

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from glm_pd_common.capacity import AccountInputs, plan_for
 from glm_pd_common.errors import PageOutOfRange, PlanError
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.hostmem import HostCaches
-from glm_pd_common.pages import suffix_pages
-from glm_pd_common.plan import build_plan
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.layout.capacity import AccountInputs, plan_for
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.pages import suffix_pages
+from glm_pd_common.layout.plan import build_plan
+from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.hostmem import HostCaches
 
 SIZES = [16, 32, 64, 128]
 

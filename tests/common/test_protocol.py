@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from glm_pd_common import protocol as proto
 from glm_pd_common.errors import ProtocolError
-from glm_pd_common.fingerprint import PROTOCOL_VERSION, PeerShape
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.handoff import protocol as proto
+from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION, PeerShape
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.spec import CacheSpec
 
 V = PROTOCOL_VERSION
 

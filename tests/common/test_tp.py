@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.tp import (
+from glm_pd_common.layout.tp import (
     SUPPORTED_TP,
     decode_ranks_served,
     expected_releases,

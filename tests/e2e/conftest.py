@@ -2,7 +2,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from scenarios import PLAIN_RUNS
-from tiny_mla_model import make_model
+from tests.support.ports import free_port
+from tests.support.scenarios import PLAIN_RUNS
+from tests.support.tiny_mla_model import make_model
 
 BLOCK = 32  # AMX_MLA takes block sizes that are multiples of 32
 START_S = 300  # two servers starting at once on two cores
@@ -29,17 +28,11 @@ CORE = {"prefill": "0", "decode": "1"}
 TRANSPORT = os.environ.get("GLM_PD_E2E_TRANSPORT", "nixl")  # or mooncake
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """One `python -m vllm.entrypoints.openai.api_server` (the `vllm` script looks up the name `vllm`)."""
 
     def __init__(self, name: str, model: Path, log_dir: Path, *extra: str, env: dict | None = None) -> None:
-        self.name, self.port = name, _free_port()
+        self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
         cmd = [
@@ -133,7 +126,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     model = make_model(tmp_path_factory.mktemp("tiny-mla"))
     logs = tmp_path_factory.mktemp("engine-logs")
     plain = _plain_runs(model, logs)
-    side = _free_port()
+    side = free_port()
     producer = {
         "kv_connector": "GlmPdConnector", "kv_connector_module_path": "glm_pd_vllm.connector",
         "kv_role": "kv_producer",

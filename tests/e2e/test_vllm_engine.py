@@ -13,7 +13,8 @@ Run by `make test` (`make test-engine`). Each server's worker has a core of its 
 
 import pytest
 from conftest import BLOCK, MAX_TOKENS
-from scenarios import INSIDE_BLOCK, SHARED, SINGLE
+
+from tests.support.scenarios import INSIDE_BLOCK, SHARED, SINGLE
 
 ROW = 1152  # bf16 latent row: (512 + 64) x 2 B
 LAYERS = 3

@@ -6,7 +6,7 @@ import re
 import shlex
 from pathlib import Path
 
-from glm_pd_common.cli import main
+from glm_pd_common.tools.cli import main
 
 README = Path(__file__).parents[2] / "recipes" / "README.md"
 

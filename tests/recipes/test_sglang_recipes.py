@@ -10,7 +10,7 @@ load_plugins()
 from sglang.srt.disaggregation.utils import TransferBackend  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
-from glm_pd_common.geometry import PRESETS  # noqa: E402
+from glm_pd_common.layout.geometry import PRESETS  # noqa: E402
 from glm_pd_sglang.config import GlmPdSglangConfig  # noqa: E402
 
 

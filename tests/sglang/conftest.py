@@ -1,41 +1,9 @@
-import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from glm_pd_common.geometry import ModelGeometry
-
-PROC = Path(__file__).with_name("sg_proc.py")
-_ports = itertools.count(24000 + (os.getpid() % 1000) * 8, 8)
-
-TINY_GLM = {
-    "architectures": ["GlmMoeDsaForCausalLM"],
-    "model_type": "glm_moe_dsa",
-    "num_hidden_layers": 6,
-    "hidden_size": 256,
-    "num_attention_heads": 4,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 64,
-    "v_head_dim": 64,
-    "index_head_dim": 128,
-    "index_n_heads": 2,
-    "index_topk": 64,
-    "index_topk_freq": 4,
-    "index_skip_topk_offset": 3,
-    "num_nextn_predict_layers": 1,
-    "vocab_size": 512,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 64,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 4096,
-}
+from tests.support.sglang_pair import TINY_GLM, Pair
 
 
 @pytest.fixture(scope="session")
@@ -44,83 +12,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tiny-glm")
     (path / "config.json").write_text(json.dumps(TINY_GLM))
     return str(path)
-
-
-def full_layers(model: str) -> list[int]:
-    return list(ModelGeometry.from_config(model, include_mtp=False).full_indexer_layers)
-
-
-class Pair:
-    """A prefill process and a decode process running one scenario against each other."""
-
-    def __init__(self, tmp: Path, model: str) -> None:
-        self.tmp, self.model = tmp, model
-
-    def run(
-        self,
-        requests: list[dict],
-        *,
-        prefill_tp: int = 1,
-        decode_tp: int = 1,
-        prefill_env: dict | None = None,
-        decode_env: dict | None = None,
-        decode_row_bytes: int = 656,
-        env: dict | None = None,
-        timeout_s: float = 240,
-        linger_s: float = 2.0,
-        prefill_exits: bool = False,
-        pool_pages: int = 48,
-        e2e: dict | None = None,
-    ) -> tuple[dict | None, dict]:
-        port = next(_ports)
-        common = {
-            "model": self.model,
-            "full_layers": full_layers(self.model),
-            "bootstrap_port": port,
-            "page_size": 64,
-            "requests": requests,
-            "timeout_s": 20.0,
-            "pool_pages": pool_pages,
-            "e2e": e2e,
-        }
-        base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
-        configs = {
-            "prefill": {**common, "role": "prefill", "tp": prefill_tp, "env": {**base_env, **(prefill_env or {})},
-                        "linger_s": linger_s},
-            "decode": {**common, "role": "decode", "tp": decode_tp, "env": {**base_env, **(decode_env or {})},
-                       "row_bytes": decode_row_bytes},
-        }  # fmt: skip
-        procs = {}
-        for role, cfg in configs.items():
-            cfg["out"] = str(self.tmp / f"{role}-{port}.json")
-            path = self.tmp / f"{role}-{port}-config.json"
-            path.write_text(json.dumps(cfg))
-            log = open(self.tmp / f"{role}-{port}.log", "w")  # noqa: SIM115 (closed below, after the process)
-            procs[role] = (
-                subprocess.Popen([sys.executable, str(PROC), str(path)], stdout=log, stderr=subprocess.STDOUT),
-                log,
-            )
-        try:
-            for proc, _ in procs.values():
-                proc.wait(timeout=timeout_s)
-        finally:
-            for proc, log in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                log.close()
-        reports: list[dict | None] = []
-        for role in ("prefill", "decode"):
-            out = Path(configs[role]["out"])
-            if role == "prefill" and prefill_exits:
-                assert not out.exists(), "prefill was to exit mid-handoff but finished"
-                reports.append(None)
-                continue
-            if not out.exists():
-                logs = (self.tmp / f"{role}-{port}.log").read_text()[-6000:]
-                raise AssertionError(f"{role} wrote no report; its log ends:\n{logs}")
-            reports.append(json.loads(out.read_text()))
-        return reports[0], reports[1]
 
 
 @pytest.fixture

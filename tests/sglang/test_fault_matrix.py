@@ -4,15 +4,12 @@ must end its room Failed on decode with a reason that names it (never Success fr
 bounded time, and the next room must land byte-exact; once all rooms end, neither side holds a page or any
 per-room state. Layout mismatches and a prefill that dies are in test_handoff.py.
 
-Test double: the caches are host tensors shaped as SGLang's DSA pool (no GPU); see sg_proc.py."""
+Test double: the caches are host tensors shaped as SGLang's DSA pool (no GPU); see tests/support/sglang_proc.py."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from checks import FAILED, SUCCESS, assert_clean, assert_exact
+from tests.support.sglang_checks import FAILED, SUCCESS, assert_clean, assert_exact
 
 TIMEOUT_S = 3  # glm-pd's transfer timeout here, so a write that never completes fails in seconds
 FAULTS = [  # (request, the reason decode must see)

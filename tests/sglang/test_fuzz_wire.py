@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from sglang.srt.disaggregation.common.conn import AbortNotification, CommonKVManager
 
 from glm_pd_common.errors import GlmPdError, PageOutOfRange, PlanError, ProtocolError
-from glm_pd_common.hostmem import HostCaches
-from glm_pd_common.plan import build_plan
-from glm_pd_common.protocol import MAX_MESSAGE_BYTES
+from glm_pd_common.handoff.protocol import MAX_MESSAGE_BYTES
+from glm_pd_common.layout.plan import build_plan
+from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.base import Span
 from glm_pd_sglang import wire
 from glm_pd_sglang.rooms import aux_runs, check_aux, check_suffix, int_pages

@@ -1,16 +1,13 @@
 """Two processes, real SGLang backend classes, real bootstrap server, real transports over loopback.
 
 What stands in for the GPU: the caches are host tensors shaped as SGLang's DSA pool allocates them
-(SGLang's ``device="cpu"``); everything else is SGLang's and glm-pd's own code (see sg_proc.py).
+(SGLang's ``device="cpu"``); everything else is SGLang's and glm-pd's own code (see tests/support/sglang_proc.py).
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from checks import FAILED, SUCCESS, assert_clean, assert_exact
+from tests.support.sglang_checks import FAILED, SUCCESS, assert_clean, assert_exact
 
 PAGE = 64
 INDEXER_LAYERS = 4  # tiny model: full layers 0-2 plus the MTP layer

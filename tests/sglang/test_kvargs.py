@@ -5,7 +5,7 @@ import torch
 from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.geometry import ModelGeometry
+from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.kvargs import rank_caches
 

@@ -1,19 +1,15 @@
-"""The handoff changes nothing the model computes: the tiny DSA model (tests/e2e/tiny_dsa.py) through the
+"""The handoff changes nothing the model computes: the tiny DSA model (tests/support/tiny_dsa.py) through the
 SGLang backend harness, page 64 on both sides (SGLang pairs pages one to one), with and without a decode
 prefix hit. Prefill's first token reaches decode in the metadata row, as in SGLang.
 
 Test double: the engine's forward is the tiny model's (no GPU here); its caches live in buffers shaped as
 SGLang's DSA pool allocates them and move through the glm-pd backend."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from tiny_dsa import TinyDsa, prompts
-
-from glm_pd_common.geometry import ModelGeometry
+from glm_pd_common.layout.geometry import ModelGeometry
+from tests.support.tiny_dsa import TinyDsa, prompts
 
 STEPS = 8
 PROMPTS = prompts(8, [90, 150, 200, 130, 70, 180, 110, 160])

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from glm_pd_common.errors import ConfigError, ProtocolError, TransferFailed
-from glm_pd_common.geometry import ModelGeometry
-from glm_pd_common.hostmem import HostCaches
-from glm_pd_common.pages import num_pages_for, suffix_pages
-from glm_pd_common.plan import build_plan
-from glm_pd_common.spec import CacheSpec
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.pages import num_pages_for, suffix_pages
+from glm_pd_common.layout.plan import build_plan
+from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.base import TransportConfig, create_transport, rdma_devices
-from glm_pd_common.transport.peerproc import PeerProcess
+from tests.support.peerproc import PeerProcess
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
 SEED = 11

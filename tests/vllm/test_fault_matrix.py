@@ -3,15 +3,12 @@ at every handoff state it can hit, must end with the faulted request failed loud
 output from bad KV, both block pools back to empty, no per-request state left in the services, a bounded
 time to detect, and the next request served byte-exact. Runs once per session (about four minutes)."""
 
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fault_matrix
-from conftest import make_tiny_model
+from tests.support import vllm_fault_matrix as fault_matrix
+from tests.support.vllm_harness import make_tiny_model
 
 NAMES = [f"{name} / {state}" for name, state, _, _ in fault_matrix.cases("", "")]
 

@@ -24,9 +24,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.pages import num_pages_for
-from glm_pd_common.sidechannel import SideChannelClient
-from glm_pd_common.tp import SUPPORTED_TP
+from glm_pd_common.handoff.sidechannel import SideChannelClient
+from glm_pd_common.layout.pages import num_pages_for
+from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_vllm.params import MAX_BLOCK_ID, MAX_BLOCKS, parse_remote
 
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1

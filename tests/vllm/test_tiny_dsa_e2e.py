@@ -1,19 +1,15 @@
-"""The handoff changes nothing the model computes: a tiny DSA model (tests/e2e/tiny_dsa.py) through the
+"""The handoff changes nothing the model computes: a tiny DSA model (tests/support/tiny_dsa.py) through the
 vLLM connector harness, prefill page 16 -> decode page 64, with and without a decode prefix hit.
 
 Test double: the engine's forward is the tiny model's (no GPU here); its caches live in the memory the
 connector registers, in the real fp8_ds_mla and split indexer layouts, and move through GlmPdConnector."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-from tiny_dsa import TinyDsa, prompts
-
-from glm_pd_common.geometry import ModelGeometry
+from glm_pd_common.layout.geometry import ModelGeometry
+from tests.support.tiny_dsa import TinyDsa, prompts
 
 STEPS = 8
 PROMPTS = prompts(8, [90, 150, 200, 130, 70, 180, 110, 160])  # 2-13 pages of 16 tokens; top-k is 16

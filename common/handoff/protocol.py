@@ -1,0 +1,149 @@
+"""Versioned wire messages between peers (msgspec msgpack, tagged by ``type``).
+
+Version history:
+- 1: hello, query (a hello without joining: what ``glm-pd doctor --peer`` sends), transfer request
+  (decode's claim on a lease), claimed, done, released, failed, abort, heartbeat, digest query/reply.
+
+A message is decoded whole and checked before anything acts on it: the size cap first, then the version
+from a minimal header, then the full shape. Nothing is half-applied.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+from glm_pd_common.errors import ProtocolError
+from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION, Fingerprint, PeerShape
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
+# Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
+PageId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
+    v: int
+
+
+class RegionSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: str
+    layer_id: int
+    is_mtp: bool
+    base_addr: int
+    num_pages: int
+    page_bytes: int
+    page_stride: int
+    mem_kind: str = "DRAM"
+    device_id: int = 0
+
+
+class Hello(_Base, tag="hello"):
+    engine_id: str
+    fingerprint: Fingerprint
+    shape: PeerShape
+    regions: list[RegionSummary]
+    transport: str
+    agent_name: str
+    agent_metadata: bytes
+
+
+class Query(_Base, tag="query"):
+    """Ask a peer for its hello without becoming its peer (no transport metadata is loaded)."""
+
+    engine_id: str
+
+
+class TransferRequest(_Base, tag="transfer"):
+    """Decode's ask: move these tokens; ``dst_pages`` are decode's suffix pages, ``src_pages`` prefill's."""
+
+    request_id: str
+    num_tokens: int
+    prefix_tokens: int
+    src_pages: list[PageId]
+    dst_pages: list[PageId]
+    dst_engine_id: str
+    verify: bool = False
+
+
+class Claimed(_Base, tag="claimed"):
+    """Prefill holds the pages until ``lease_s`` from now; ``digests`` are its per-region source digests."""
+
+    request_id: str
+    lease_s: float
+    num_bytes: int
+    digests: list[int] | None = None
+
+
+class Released(_Base, tag="released"):
+    """Prefill's answer to decode's done: the pages were still held when the read finished."""
+
+    request_id: str
+
+
+class Done(_Base, tag="done"):
+    request_id: str
+    num_bytes: int
+    digests: list[int] | None = None
+
+
+class Failed(_Base, tag="failed"):
+    request_id: str
+    reason: str
+
+
+class Abort(_Base, tag="abort"):
+    request_id: str
+    reason: str
+
+
+class Heartbeat(_Base, tag="heartbeat"):
+    engine_id: str
+    seq: int
+
+
+class DigestQuery(_Base, tag="digest_query"):
+    request_id: str
+    region_indices: list[int]
+
+
+class PageDigests(_Base, tag="page_digests"):
+    request_id: str
+    pages: dict[int, list[int]]  # digests (uint64), not page ids
+
+
+Message = Union[
+    Hello, Query, TransferRequest, Claimed, Released, Done, Failed, Abort, Heartbeat, DigestQuery, PageDigests
+]
+
+
+class _Header(msgspec.Struct):
+    type: str
+    v: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """Decode and validate one message; refuse oversized, unknown-version or malformed input."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the cap of {MAX_MESSAGE_BYTES}")
+    try:
+        header = _header_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"message has no valid header (type, v): {exc}") from exc
+    if header.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"message {header.type!r} has protocol version {header.v}; this peer speaks {PROTOCOL_VERSION}"
+        )
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed {header.type!r} message: {exc}") from exc

@@ -1,0 +1,141 @@
+"""The capacity account of one request: bytes, pages, regions, runs, link time and the exposed tail.
+
+Run counts come from real plans over synthetic address spaces (a contiguous allocator and one where no
+two pages are adjacent on both sides), so the account and the transfer path share one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from glm_pd_common.layout.formats import IndexerFormat, MainRowFormat
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.pages import num_pages_for, suffix_page_span
+from glm_pd_common.layout.plan import TransferPlan, build_plan
+from glm_pd_common.layout.regions import Region, build_regions
+from glm_pd_common.layout.tp import source_ranks
+
+
+@dataclass(frozen=True)
+class AccountInputs:
+    geometry: ModelGeometry
+    row: MainRowFormat
+    indexer: IndexerFormat
+    num_tokens: int
+    prefill_page_tokens: int = 64
+    decode_page_tokens: int = 64
+    prefix_tokens: int = 0
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    link_gbps: float = 400.0
+    nics_per_rank: int = 1
+
+
+def synthetic_regions(
+    geometry: ModelGeometry, row: MainRowFormat, indexer: IndexerFormat, *, page_tokens: int, num_pages: int
+) -> list[Region]:
+    """Regions laid out one after another in a fake address space (plans never touch the memory)."""
+    main_page = row.row_bytes * page_tokens
+    index_page = indexer.row_bytes * page_tokens
+    addr, main_addrs, index_addrs = 1 << 40, {}, {}
+    for layer in geometry.all_layers:
+        main_addrs[layer] = addr
+        addr += main_page * num_pages + (1 << 20)
+        if geometry.is_full(layer):
+            index_addrs[layer] = addr
+            addr += index_page * num_pages + (1 << 20)
+    return build_regions(
+        geometry,
+        row,
+        indexer,
+        page_tokens=page_tokens,
+        num_pages=num_pages,
+        main_addrs=main_addrs,
+        indexer_addrs=index_addrs,
+    )
+
+
+def allocator_pages(num_pages: int, allocator: str, *, seed: int = 0) -> np.ndarray:
+    """Page tables of the two allocators the account and benchmark use."""
+    if allocator == "contiguous":
+        return np.arange(num_pages, dtype=np.int64)
+    if allocator == "shuffled":
+        return np.random.default_rng(seed).permutation(num_pages).astype(np.int64)
+    if allocator == "worst_case":
+        # Every other page: never adjacent, so no two pages ever merge on that side.
+        return np.arange(num_pages, dtype=np.int64) * 2
+    raise ValueError(f"unknown allocator {allocator!r}")
+
+
+def plan_for(inputs: AccountInputs, allocator: str) -> TransferPlan:
+    g = inputs.geometry
+    p_pt, d_pt = inputs.prefill_page_tokens, inputs.decode_page_tokens
+    p_first, p_end = suffix_page_span(inputs.num_tokens, inputs.prefix_tokens, p_pt, align_tokens=d_pt)
+    d_first, d_end = suffix_page_span(inputs.num_tokens, inputs.prefix_tokens, d_pt, align_tokens=d_pt)
+    p_pages = p_end - p_first
+    d_pages = d_end - d_first
+    src_regions = synthetic_regions(g, inputs.row, inputs.indexer, page_tokens=p_pt, num_pages=2 * p_pages + 1)
+    dst_regions = synthetic_regions(g, inputs.row, inputs.indexer, page_tokens=d_pt, num_pages=2 * d_pages + 1)
+    dst_kind = "contiguous" if allocator == "contiguous" else "worst_case"
+    return build_plan(
+        src_regions,
+        dst_regions,
+        allocator_pages(p_pages, allocator),
+        allocator_pages(d_pages, dst_kind),
+        num_tokens=inputs.num_tokens,
+        prefix_tokens=inputs.prefix_tokens,
+    )
+
+
+def account(inputs: AccountInputs) -> dict[str, object]:
+    """The whole account as plain values (the ``glm-pd plan --json`` object)."""
+    g, row, idx = inputs.geometry, inputs.row, inputs.indexer
+    per_token_main = g.num_layers * row.row_bytes
+    per_token_index = len(g.full_indexer_layers) * idx.row_bytes
+    per_token_mtp = g.num_mtp_layers * (row.row_bytes + idx.row_bytes)
+    n = inputs.num_tokens
+    contiguous = plan_for(inputs, "contiguous")
+    worst = plan_for(inputs, "worst_case")
+    moved = contiguous.bytes_by_kind()
+    moved_total = moved["main"] + moved["indexer"]
+    rank_bytes_per_s = inputs.link_gbps / 8 * 1e9 * inputs.nics_per_rank
+    layer_main = contiguous.entries[0].num_bytes
+    layer_index = next((e.num_bytes for e in contiguous.entries if e.src.kind == "indexer"), 0)
+    last_layer = contiguous.entries[-1].src.layer_id  # posted last, so nothing hides its transfer
+    tail = sum(e.num_bytes for e in contiguous.entries if e.src.layer_id == last_layer)
+    return {
+        "model_type": g.model_type,
+        "bytes_per_token": {
+            "main": per_token_main,
+            "indexer": per_token_index,
+            "total": per_token_main + per_token_index,
+        },
+        "bytes_per_token_with_mtp": per_token_main + per_token_index + per_token_mtp,
+        "bytes_per_request": {
+            "main": per_token_main * n,
+            "indexer": per_token_index * n,
+            "total": (per_token_main + per_token_index) * n,
+        },
+        "bytes_moved_per_rank": {**moved, "total": moved_total},
+        "tokens": n,
+        "prefix_tokens": inputs.prefix_tokens,
+        "page_tokens": inputs.prefill_page_tokens,
+        "decode_page_tokens": inputs.decode_page_tokens,
+        "pages": num_pages_for(n, inputs.prefill_page_tokens),
+        "suffix_pages": int(contiguous.src_pages.size),
+        "full_indexer_layers": list(g.full_indexer_layers),
+        "mtp_layers": list(g.mtp_layers),
+        "regions_per_rank": len(contiguous.entries),
+        "runs": {"contiguous": contiguous.num_runs, "worst_case": worst.num_runs},
+        "prefill_tp": inputs.prefill_tp,
+        "decode_tp": inputs.decode_tp,
+        "source_rank_of_decode_rank": source_ranks(inputs.prefill_tp, inputs.decode_tp).tolist(),
+        "bytes_over_network": moved_total * inputs.decode_tp,
+        "link_gbps": inputs.link_gbps,
+        "nics_per_rank": inputs.nics_per_rank,
+        "link_seconds": moved_total / rank_bytes_per_s,
+        "per_layer_seconds": {"main": layer_main / rank_bytes_per_s, "indexer": layer_index / rank_bytes_per_s},
+        "exposed_tail_seconds": tail / rank_bytes_per_s,
+    }

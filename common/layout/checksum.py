@@ -1,0 +1,113 @@
+"""xxh3-64 digests of the bytes a plan moves, read straight from memory by address.
+
+Both sides hash the same runs in the same (plan) order, so one digest per region pair compares the source
+bytes with what landed. On a mismatch, per-page digests of that one region name the first bad page.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import xxhash
+
+from glm_pd_common.errors import ChecksumMismatch
+from glm_pd_common.layout.plan import RegionRuns, TransferPlan
+from glm_pd_common.layout.regions import Region
+
+
+def _view(addr: int, length: int) -> memoryview:
+    """A zero-copy view of host memory; the caller guarantees the range lies in a registered region."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+def digest_runs(base_addr: int, offsets: np.ndarray, lengths: np.ndarray) -> int:
+    h = xxhash.xxh3_64()
+    for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
+        h.update(_view(base_addr + off, n))
+    return h.intdigest()
+
+
+def _side(entry: RegionRuns, side: str) -> tuple[int, np.ndarray]:
+    if side == "src":
+        return entry.src.base_addr, entry.src_offsets
+    if side == "dst":
+        return entry.dst.base_addr, entry.dst_offsets
+    raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
+
+
+def plan_digests(plan: TransferPlan, side: str) -> list[int]:
+    """One digest per region pair of the plan, over that side's bytes."""
+    out = []
+    for entry in plan.entries:
+        base, offsets = _side(entry, side)
+        out.append(digest_runs(base, offsets, entry.lengths))
+    return out
+
+
+def page_digests(plan: TransferPlan, entry_index: int, side: str) -> list[int]:
+    """Per destination page of one region pair: a digest of the bytes that land in that page."""
+    entry = plan.entries[entry_index]
+    fmt, chunks = entry.src.page_format, plan.chunks
+    src, dst, lengths = plan.chunk_runs(entry)
+    base, _ = _side(entry, side)
+    offsets = src if side == "src" else dst
+    segments = len(fmt.segment_bytes_per_token)
+    page_of_run = np.tile(chunks.dst_page_index, segments)
+    order = np.argsort(page_of_run, kind="stable")
+    hashers = [xxhash.xxh3_64() for _ in range(plan.dst_pages.size)]
+    for i in order.tolist():
+        hashers[int(page_of_run[i])].update(_view(base + int(offsets[i]), int(lengths[i])))
+    return [h.intdigest() for h in hashers]
+
+
+def verify(plan: TransferPlan, expected: list[int], *, remote_pages: dict[int, list[int]] | None = None) -> None:
+    """Compare the destination's bytes with the source's digests; raise naming layer, kind and page.
+
+    ``remote_pages`` optionally holds the source's per-page digests of regions already known to differ,
+    which lets the error name the first differing destination page.
+    """
+    if len(expected) != len(plan.entries):
+        raise ChecksumMismatch(f"peer sent {len(expected)} region digests; the plan has {len(plan.entries)} regions")
+    local = plan_digests(plan, "dst")
+    for index, (entry, got, want) in enumerate(zip(plan.entries, local, expected, strict=True)):
+        if got == want:
+            continue
+        where = f"layer {entry.dst.layer_id} {entry.dst.kind} region"
+        if remote_pages and index in remote_pages:
+            mine = page_digests(plan, index, "dst")
+            bad = [i for i, (a, b) in enumerate(zip(mine, remote_pages[index], strict=True)) if a != b]
+            if bad:
+                page = int(plan.dst_pages[bad[0]])
+                raise ChecksumMismatch(
+                    f"checksum mismatch in {where}, destination page {page} "
+                    f"(source page {_source_page(plan, bad[0])}); {len(bad)} page(s) differ"
+                )
+        raise ChecksumMismatch(f"checksum mismatch in {where}: digest {got:#018x}, source sent {want:#018x}")
+
+
+def mismatched_regions(plan: TransferPlan, expected: list[int]) -> list[int]:
+    """Indices of region pairs whose destination bytes differ from the source digests."""
+    return [i for i, (a, b) in enumerate(zip(plan_digests(plan, "dst"), expected, strict=True)) if a != b]
+
+
+def _source_page(plan: TransferPlan, dst_page_index: int) -> int:
+    """The first source page feeding a destination page position."""
+    hit = np.flatnonzero(plan.chunks.dst_page_index == dst_page_index)
+    return int(plan.src_pages[plan.chunks.src_page_index[hit[0]]])
+
+
+def region_pages_digest(region: Region, pages: np.ndarray) -> int:
+    """One digest of a region's listed pages, whole and in list order.
+
+    When both sides copy whole pages of equal size (SGLang's contract), source and destination digests over
+    their own suffix lists compare directly, with no shared plan. Consecutive pages are hashed as one run.
+    """
+    ids = region.check_pages(pages)
+    if ids.size == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    if region.page_stride == region.page_bytes:
+        starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
+        lengths = np.diff(np.append(starts, ids.size)) * region.page_bytes
+        return digest_runs(region.base_addr, ids[starts] * region.page_stride, lengths)
+    return digest_runs(region.base_addr, ids * region.page_stride, np.full(ids.size, region.page_bytes))

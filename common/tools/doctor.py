@@ -1,0 +1,253 @@
+"""``glm-pd doctor``: check one node before deployment; every failing line says how to fix it.
+
+It never imports torch or the engines: GPU visibility is read from the driver (and from torch in a child
+process when torch is installed), and the UCX data path is observed, not guessed, by a loopback READ in a
+child process run with ``UCX_PROTO_INFO=y``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata as pkg_metadata
+
+from glm_pd_common.errors import GlmPdError
+from glm_pd_common.transport.base import rdma_devices
+
+
+@dataclass(frozen=True)
+class Check:
+    status: str  # PASS | WARN | FAIL | INFO
+    name: str
+    detail: str
+    fix: str = ""
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return pkg_metadata.version(dist)
+    except pkg_metadata.PackageNotFoundError:
+        return None
+
+
+def check_transports() -> list[Check]:
+    out = []
+    nixl = _version("nixl")
+    found = nixl and importlib.util.find_spec("nixl") is not None
+    out.append(
+        Check("PASS", "nixl", f"nixl {nixl} importable")
+        if found
+        else Check(
+            "FAIL",
+            "nixl",
+            "nixl not installed",
+            "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 (plain `pip install nixl` pulls torch)",
+        )
+    )
+    mc = _version("mooncake-transfer-engine-non-cuda") or _version("mooncake-transfer-engine")
+    if mc and importlib.util.find_spec("mooncake") is not None:
+        verbs = ctypes.util.find_library("ibverbs")
+        out.append(
+            Check(
+                "PASS",
+                "mooncake",
+                f"mooncake transfer engine {mc}, libibverbs {'found' if verbs else 'MISSING'}",
+                "" if verbs else "apt-get install libibverbs1",
+            )
+        )
+    else:
+        out.append(
+            Check(
+                "WARN",
+                "mooncake",
+                "mooncake transfer engine not installed",
+                "pip install mooncake-transfer-engine (CUDA hosts) or -non-cuda; needs libibverbs1",
+            )
+        )
+    return out
+
+
+def check_rdma() -> list[Check]:
+    devices = rdma_devices()
+    dev_nodes = sorted(os.listdir("/dev/infiniband")) if os.path.isdir("/dev/infiniband") else []
+    if devices:
+        return [
+            Check("PASS", "rdma devices", f"{', '.join(devices)} (/dev/infiniband: {', '.join(dev_nodes) or 'none'})")
+        ]
+    return [
+        Check(
+            "FAIL",
+            "rdma devices",
+            "none under /sys/class/infiniband: KV would move over TCP",
+            "install the NIC driver/rdma-core and expose /dev/infiniband to the container; "
+            "or accept TCP explicitly with allow_tcp",
+        )
+    ]
+
+
+_TRANSPORT_TOKEN = re.compile(
+    r"\b((?:rc|dc|ud|cma|tcp|sysv|posix|cuda_ipc|cuda_copy|gdr_copy|self|knem|xpmem)"
+    r"[a-z0-9_]*/[A-Za-z0-9_:.\-]+)"
+)
+
+
+def parse_proto_info(text: str) -> dict[str, list[str]]:
+    """UCX_PROTO_INFO tables -> {operation: transports}, e.g. {"remote memory read ...": ["cma/memory"]}."""
+    out: dict[str, set[str]] = {}
+    operation = None
+    for line in text.splitlines():
+        cell = line.split("|")[1].strip() if line.count("|") >= 2 else ""
+        if " by ucp_" in cell:
+            operation = cell
+            out.setdefault(operation, set())
+        elif operation is not None:
+            out[operation].update(m.group(1) for m in _TRANSPORT_TOKEN.finditer(line))
+    return {op: sorted(tls) for op, tls in out.items()}
+
+
+def observed_ucx_path(timeout_s: float = 90.0) -> tuple[dict[str, list[str]], str]:
+    """Run a loopback READ in a child process with UCX_PROTO_INFO=y; return what UCX chose per operation."""
+    env = dict(os.environ, UCX_PROTO_INFO="y", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "glm_pd_common.tools.ucxprobe"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+    )
+    text = proc.stdout + proc.stderr
+    return parse_proto_info(text), "" if proc.returncode == 0 else f"probe exited {proc.returncode}: {text[-400:]}"
+
+
+def check_ucx_path() -> list[Check]:
+    try:
+        ops, err = observed_ucx_path()
+    except subprocess.TimeoutExpired:
+        return [Check("FAIL", "ucx data path", "loopback probe did not finish in 90 s", "check UCX_* settings")]
+    if err:
+        return [Check("FAIL", "ucx data path", err, "run with UCX_LOG_LEVEL=info for details")]
+    reads = sorted({t for op, tls in ops.items() if op.startswith("remote memory read") for t in tls})
+    messages = sorted({t for op, tls in ops.items() if op.startswith("active message") for t in tls})
+    rdma = [t for t in reads if t.split("/")[0].startswith(("rc", "dc", "ud"))]
+    detail = (
+        f"UCX chose {', '.join(reads) or 'nothing visible'} for READs and "
+        f"{', '.join(messages) or 'nothing visible'} for messages (loopback probe)"
+    )
+    if rdma:
+        return [Check("PASS", "ucx data path", detail)]
+    return [
+        Check(
+            "WARN",
+            "ucx data path",
+            detail + " (no RDMA transport: between hosts this is tcp)",
+            "set UCX_NET_DEVICES to the RDMA ports (e.g. mlx5_0:1) and do not restrict UCX_TLS to tcp",
+        )
+    ]
+
+
+def check_gpus() -> list[Check]:
+    out = []
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        res = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        gpus = [ln for ln in res.stdout.splitlines() if ln.startswith("GPU")]
+        out.append(
+            Check(
+                "PASS" if gpus else "WARN",
+                "gpus",
+                f"{len(gpus)} visible to the driver" + (f": {gpus[0]}" if gpus else ""),
+                "" if gpus else "check CUDA_VISIBLE_DEVICES",
+            )
+        )
+    else:
+        out.append(Check("INFO", "gpus", "no nvidia-smi: no NVIDIA driver on this host"))
+    if importlib.util.find_spec("torch") is not None:
+        code = "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.device_count())"
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        words = res.stdout.split()
+        detail = (
+            f"torch {words[0]}, cuda available {words[1]}, {words[2]} device(s)"
+            if len(words) == 3
+            else f"torch failed to import: {res.stderr.strip()[-200:]}"
+        )
+        out.append(Check("INFO", "torch", detail))
+    return out
+
+
+def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
+    from glm_pd_common.handoff import protocol
+    from glm_pd_common.handoff.sidechannel import SideChannelClient
+    from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION, diff
+    from glm_pd_common.layout.spec import CacheSpec
+    from glm_pd_common.tools.cli import load_geometry
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise GlmPdError(f"--peer must be host:port, got {address!r}")
+    spec = CacheSpec.create(load_geometry(spec_args), spec_args.kv_cache_dtype, spec_args.indexer_scale_format)
+    client = SideChannelClient(host, int(port))
+    try:
+        client.send(protocol.Query(v=PROTOCOL_VERSION, engine_id="glm-pd-doctor"))
+        reply = client.recv(timeout_s=10)
+    except GlmPdError as exc:
+        return [Check("FAIL", "peer", f"{address}: {exc}", "is the peer's side channel listening on that address?")]
+    finally:
+        client.close()
+    if not isinstance(reply, protocol.Hello):
+        return [Check("FAIL", "peer", f"{address} answered {type(reply).__name__}, not a hello")]
+    diffs = diff(spec.fingerprint(), reply.fingerprint)
+    if not diffs:
+        return [
+            Check(
+                "PASS",
+                "peer fingerprint",
+                f"{reply.engine_id} at {address} matches "
+                f"(digest {reply.fingerprint.digest()}, page {reply.shape.page_tokens} tokens, "
+                f"TP {reply.shape.tp_size}, transport {reply.transport})",
+            )
+        ]
+    return [
+        Check(
+            "FAIL",
+            f"peer fingerprint {name}",
+            f"this node {a!r}, {reply.engine_id} {b!r}",
+            "both sides must run the same model config, kv cache dtype and indexer scale format",
+        )
+        for name, a, b in diffs
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = check_transports() + check_rdma() + check_gpus()
+    if not args.skip_probe and _version("nixl"):
+        checks += check_ucx_path()
+    if args.peer:
+        checks += check_peer(args.peer, args)
+    if args.json:
+        print(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        for c in checks:
+            print(
+                f"[{c.status}] {c.name}: {c.detail}"
+                + (f"\n       fix: {c.fix}" if c.fix and c.status != "PASS" else "")
+            )
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from glm_pd_common.tools.cli import add_model_args
+
+    p = sub.add_parser("doctor", help="check this node before deployment")
+    add_model_args(p)
+    p.add_argument("--peer", help="host:port of a peer's side channel: compare fingerprints")
+    p.add_argument("--skip-probe", action="store_true", help="skip the UCX loopback probe")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)

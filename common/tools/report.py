@@ -1,0 +1,62 @@
+"""Human-readable renderings of the core's plain-value results."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def human_seconds(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms" if s < 1 else f"{s:,.3f} s"
+
+
+def print_table(rows: list[tuple[str, str]], title: str) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(title)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+
+
+def print_account(a: dict) -> None:
+    bpt, req, moved = a["bytes_per_token"], a["bytes_per_request"], a["bytes_moved_per_rank"]
+    rows = [
+        ("model", f"{a['model_type']}, kv cache {a['kv_cache_dtype']}"),
+        ("full indexer layers", f"{len(a['full_indexer_layers'])}: {a['full_indexer_layers']}"),
+        ("MTP layers", str(a["mtp_layers"])),
+        ("bytes/token main", f"{bpt['main']:,} B"),
+        ("bytes/token indexer", f"{bpt['indexer']:,} B"),
+        ("bytes/token total", f"{bpt['total']:,} B ({a['bytes_per_token_with_mtp']:,} B with MTP)"),
+        ("tokens", f"{a['tokens']:,} (decode prefix hit {a['prefix_tokens']:,})"),
+        ("request main", human_bytes(req["main"])),
+        ("request indexer", human_bytes(req["indexer"])),
+        ("request total", human_bytes(req["total"])),
+        ("pages", f"{a['pages']:,} of {a['page_tokens']} tokens (decode pages {a['decode_page_tokens']})"),
+        ("suffix pages moved", f"{a['suffix_pages']:,}"),
+        ("regions per rank", str(a["regions_per_rank"])),
+        (
+            "moved per decode rank",
+            f"{human_bytes(moved['total'])} "
+            f"(main {human_bytes(moved['main'])}, indexer {human_bytes(moved['indexer'])})",
+        ),
+        ("runs, contiguous alloc", f"{a['runs']['contiguous']:,}"),
+        ("runs, worst-case alloc", f"{a['runs']['worst_case']:,}"),
+        (
+            "TP prefill -> decode",
+            f"{a['prefill_tp']} -> {a['decode_tp']}, decode rank r reads prefill rank "
+            f"{a['source_rank_of_decode_rank']}[r]",
+        ),
+        ("bytes over the network", f"{human_bytes(a['bytes_over_network'])} (one whole copy per decode rank)"),
+        ("link", f"{a['nics_per_rank']} x {a['link_gbps']:g} Gbit/s per decode rank"),
+        ("time on the link", human_seconds(a["link_seconds"])),
+        (
+            "per layer",
+            f"main {human_seconds(a['per_layer_seconds']['main'])}, "
+            f"indexer {human_seconds(a['per_layer_seconds']['indexer'])}",
+        ),
+        ("exposed tail", f"{human_seconds(a['exposed_tail_seconds'])} (last layer posted + its indexer)"),
+    ]
+    print_table(rows, "glm-pd plan: the handoff account of one request")

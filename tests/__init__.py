@@ -1,0 +1,1 @@
+"""glm-pd test suites (a package so that tests.support resolves from the repository root)."""
