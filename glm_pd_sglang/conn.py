@@ -13,7 +13,6 @@ timeouts, abort notices and their drain ACKs. glm-pd adds what a GLM-5.x handoff
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -251,8 +250,7 @@ class GlmPdKVManager(CommonKVManager):
         if self.corrupt_next_room == room and pages.size:
             self.corrupt_next_room = None
             region = self.caches.regions[-1]
-            byte = ctypes.c_uint8.from_address(region.base_addr + int(pages[-1]) * region.page_stride)
-            byte.value ^= 0xFF
+            checksum.flip_byte(region.base_addr + int(pages[-1]) * region.page_stride)
         if sent is None:
             return "glm-pd checksum verification is on, but prefill sent no digests (is it verifying too?)"
         mine = self._region_digests(pages)

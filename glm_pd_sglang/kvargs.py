@@ -3,7 +3,8 @@
 SGLang describes a DSA rank positionally:
 - ``kv_data_ptrs``: one main MLA buffer per target layer, then one per draft (MTP) layer; each item is one
   page (``page_size`` rows), so the row bytes are ``item_len / page_size`` (656 fp8_ds_mla, 576 raw fp8,
-  1152 bf16).
+  1152 bf16). The row must be one SGLang allocates for ``kv_cache_dtype`` under some DSA backend
+  (``cache_dtypes``): the dtype alone cannot tell 656 B fp8_ds_mla from 576 B raw fp8.
 - one ``StateType.DSA`` state component: the indexer buffer of every target layer (item length 0 on a shared
   layer, which has no indexer), then the draft's. Items are pages too, indexed by the same page ids.
 Zero-length entries carry no cache; they are skipped here, identically on both sides, and the layers that
@@ -16,15 +17,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.layout.formats import main_page_format
+from glm_pd_common.layout.cache_dtypes import row_formats_by_backend
+from glm_pd_common.layout.formats import ROW_FORMATS, main_page_format, main_row_format
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.regions import MemKind, Region, plan_order
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span
 
-# Row bytes -> glm-pd's row format; the dtype string alone cannot tell 656 B fp8_ds_mla from 576 B raw fp8.
-_ROWS = {656: "fp8_ds_mla", 576: "fp8", 1152: "bf16"}
-_DTYPE_FAMILIES = {"fp8_ds_mla": ("fp8_e4m3", "fp8"), "fp8": ("fp8_e4m3", "fp8"), "bf16": ("auto", "bfloat16", "bf16")}
 _DSA = "dsa"
 
 
@@ -44,16 +43,21 @@ def _value(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
-def row_format_name(item_len: int, page_size: int, kv_cache_dtype: str) -> str:
+def row_format_name(item_len: int, page_size: int, kv_cache_dtype: str, geometry: ModelGeometry) -> str:
     """The main row format of SGLang's buffers, from the bytes per row, cross-checked with the dtype."""
     if item_len % page_size:
         raise ConfigError(f"main KV item length {item_len} B is not a whole number of rows of a {page_size}-token page")
     row = item_len // page_size
-    name = _ROWS.get(row)
+    by_bytes = {main_row_format(f, geometry.kv_lora_rank, geometry.qk_rope_head_dim).row_bytes: f for f in ROW_FORMATS}
+    name = by_bytes.get(row)
     if name is None:
-        raise ConfigError(f"main KV rows of {row} B match no DSA layout glm-pd knows ({sorted(_ROWS)} B)")
-    if kv_cache_dtype not in _DTYPE_FAMILIES[name]:
-        raise ConfigError(f"main KV rows of {row} B ({name}) do not fit kv_cache_dtype {kv_cache_dtype!r}")
+        raise ConfigError(f"main KV rows of {row} B match no DSA layout glm-pd knows ({sorted(by_bytes)} B)")
+    allowed = row_formats_by_backend("sglang", kv_cache_dtype)
+    if name not in allowed.values():
+        raise ConfigError(
+            f"main KV rows of {row} B ({name}) do not fit kv_cache_dtype {kv_cache_dtype!r}, "
+            f"which SGLang allocates as {', '.join(sorted(set(allowed.values())))}"
+        )
     return name
 
 
@@ -79,8 +83,8 @@ def rank_caches(
         geometry = replace(geometry, num_mtp_layers=0)
     if len(set(items)) != 1:
         raise ConfigError(f"main KV item lengths differ between layers: {sorted(set(items))}")
-    row_name = row_format_name(items[0], page, str(kv_args.kv_cache_dtype_str))
-    spec = CacheSpec.create(geometry, cache_dtype=row_name, scale_format=scale_format)
+    row_name = row_format_name(items[0], page, str(kv_args.kv_cache_dtype_str), geometry)
+    spec = CacheSpec.create(geometry, row_format=row_name, scale_format=scale_format)
     main_fmt, idx_fmt = main_page_format(spec.row), spec.indexer.page_format
 
     def region(kind: str, layer: int, ptr: int, data_len: int, item_len: int) -> Region:

@@ -3,7 +3,8 @@
 Decode -> prefill: a registration (once per prefill rank: glm-pd's hello plus SGLang's endpoint and
 metadata buffers) and a room message per request. Prefill -> decode: a refusal at registration, digests
 before Success when verification is on; the terminal status uses SGLang's own tagged status frame.
-Every payload is size-capped and decoded whole before anything acts on it.
+Every payload is size-capped, its protocol version checked from a minimal header (the same version as
+the core protocol's), and then decoded whole before anything acts on it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TypeVar
 import msgspec
 
 from glm_pd_common.errors import ProtocolError
-from glm_pd_common.handoff.protocol import MAX_MESSAGE_BYTES
+from glm_pd_common.handoff.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 
 TAG_REGISTER = b"GLMPD_REGISTER"
 TAG_ROOM = b"GLMPD_ROOM"
@@ -28,7 +29,17 @@ class AuxBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_l
     item_len: int
 
 
-class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _Versioned(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every payload says which protocol version wrote it (keyword-only, so it follows the positional fields)."""
+
+    v: int = PROTOCOL_VERSION
+
+
+class _Header(msgspec.Struct):
+    v: int
+
+
+class Registration(_Versioned):
     hello: bytes  # glm_pd_common.handoff.protocol.Hello, encoded: fingerprint, shape, regions, transport metadata
     decode_ip: str
     decode_port: int
@@ -36,7 +47,7 @@ class Registration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     aux: list[AuxBuffer]
 
 
-class Room(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Room(_Versioned):
     room: int
     agent_name: str
     decode_ip: str
@@ -49,12 +60,12 @@ class Room(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     is_dummy: bool
 
 
-class Refused(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Refused(_Versioned):
     prefill_rank: int
     reason: str
 
 
-class Digests(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Digests(_Versioned):
     room: int
     regions: list[str]
     digests: list[int]
@@ -65,20 +76,27 @@ class Digests(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"{len(self.regions)} region names but {len(self.digests)} digests")
 
 
-T = TypeVar("T", bound=msgspec.Struct)
+T = TypeVar("T", bound=_Versioned)
 
 
-def frames(tag: bytes, message: msgspec.Struct) -> list[bytes]:
+def frames(tag: bytes, message: _Versioned) -> list[bytes]:
     return [tag, msgspec.msgpack.encode(message)]
 
 
 def parse(msg: list[bytes], kind: type[T]) -> T:
-    """Decode the payload frame of a tagged message; refuse a wrong frame count, oversize or bad shape."""
+    """Decode the payload frame of a tagged message; refuse a wrong frame count, oversize, another protocol
+    version or a bad shape."""
     tag = msg[0][:32] if msg else b""
     if len(msg) != 2:
         raise ProtocolError(f"{tag!r} message has {len(msg)} frames, expected 2")
     if len(msg[1]) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{tag!r} message of {len(msg[1])} bytes exceeds the cap of {MAX_MESSAGE_BYTES}")
+    try:
+        version = msgspec.msgpack.decode(msg[1], type=_Header).v
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed {tag!r} message (no protocol version): {exc}") from exc
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"{tag!r} message has protocol version {version}; this peer speaks {PROTOCOL_VERSION}")
     try:
         return msgspec.msgpack.decode(msg[1], type=kind)
     except msgspec.DecodeError as exc:

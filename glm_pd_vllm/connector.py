@@ -59,13 +59,13 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
                 f"(decode), got {self._kv_transfer_config.kv_role!r}"
             )
         config = GlmPdVllmConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        spec = cache_spec(vllm_config, config)
+        spec = cache_spec(vllm_config, config)  # on both roles: a model or cache dtype glm-pd cannot move fails here
         engine_id = str(self._kv_transfer_config.engine_id)
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from glm_pd_vllm.scheduler import GlmPdScheduler
 
-            self._scheduler = GlmPdScheduler(vllm_config, config, spec, engine_id)
+            self._scheduler = GlmPdScheduler(vllm_config, config, engine_id)
         else:
             from glm_pd_vllm.worker import GlmPdWorker
 

@@ -1,19 +1,22 @@
-"""``kv_transfer_params``: what prefill returns to the router and decode receives, and its validation.
+"""``kv_transfer_params``: one versioned struct, encoded by prefill for the router and decoded by decode.
 
-Decode treats the params as remote input: every field is type-checked and the block count must match
-the token count before a load is planned (the core plan then bounds-checks every block id).
+Decode treats the params as remote input: the protocol version first, then every field's type and range,
+then the block count against the token count, before a load is planned (the core plan then bounds-checks
+every block id against its regions).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any
+from typing import Annotated, Any
 
-import numpy as np
+import msgspec
 from vllm.config import VllmConfig
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, PageId
+from glm_pd_common.layout.cache_dtypes import row_format_for
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.spec import CacheSpec
@@ -21,28 +24,18 @@ from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_vllm.config import GlmPdVllmConfig
 
 MAX_BLOCKS = 1 << 22  # 4M blocks of 16 tokens: far past any context; more is hostile
-MAX_BLOCK_ID = (1 << 63) - 1  # ids travel as int64; a larger JSON integer would overflow, not be refused
+_MAX_BLOCK_ID = msgspec.inspect.type_info(PageId).le  # the wire's int64 bound: ids past it would overflow
 _HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}(\.[A-Za-z0-9][A-Za-z0-9_-]{0,62})*\.?")
-
-_VLLM_CACHE_DTYPES = {
-    "auto": "bf16",
-    "bfloat16": "bf16",
-    "fp8": "fp8_ds_mla",
-    "fp8_e4m3": "fp8_ds_mla",
-    "fp8_ds_mla": "fp8_ds_mla",
-}
 
 
 def cache_spec(vllm_config: VllmConfig, config: GlmPdVllmConfig) -> CacheSpec:
-    """The core spec from vLLM's model config (vLLM's DSA backends store fp8 as fp8_ds_mla rows)."""
+    """The core spec from vLLM's model config; the row for vLLM's cache dtype comes from ``cache_dtypes``."""
     hf = vllm_config.model_config.hf_config
     geometry = ModelGeometry.from_config(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
     if config.model_revision:
         geometry = _with_revision(geometry, config.model_revision)
-    dtype = str(vllm_config.cache_config.cache_dtype)
-    if dtype not in _VLLM_CACHE_DTYPES:
-        raise ConfigError(f"GlmPdConnector supports kv cache dtypes {sorted(_VLLM_CACHE_DTYPES)}, got {dtype!r}")
-    return CacheSpec.create(geometry, _VLLM_CACHE_DTYPES[dtype], config.indexer_scale_format)
+    row_format = row_format_for("vllm", str(vllm_config.cache_config.cache_dtype))
+    return CacheSpec.create(geometry, row_format, config.indexer_scale_format)
 
 
 def _with_revision(geometry: ModelGeometry, revision: str) -> ModelGeometry:
@@ -51,68 +44,107 @@ def _with_revision(geometry: ModelGeometry, revision: str) -> ModelGeometry:
     return replace(geometry, revision=revision)
 
 
-def _int(params: dict[str, Any], key: str, *, minimum: int = 0) -> int:
-    value = params.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"kv_transfer_params[{key!r}] must be an integer >= {minimum}, got {value!r}")
-    return value
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]  # token math is int64
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
-def _str(params: dict[str, Any], key: str) -> str:
-    value = params.get(key)
-    if not isinstance(value, str) or not value or len(value) > 256:
-        raise ConfigError(f"kv_transfer_params[{key!r}] must be a non-empty string, got {value!r}")
-    return value
+class KvTransferParams(msgspec.Struct, kw_only=True, frozen=True):
+    """What prefill hands the router for decode, and all decode reads of it.
+
+    Not ``forbid_unknown_fields``: vLLM and the router add keys of their own on the way
+    (``remote_prefill_cached_tokens``, ``prompt_token_ids``). Prefill's fingerprint and lease are not
+    here: decode checks the fingerprint field by field at the handshake, and only prefill can time its
+    lease (no shared clock); a claim after expiry is refused by prefill, and decode fails the load.
+    """
+
+    glm_pd_protocol: int = PROTOCOL_VERSION
+    do_remote_prefill: bool = True  # vLLM's own keys: decode loads, prefill's part is done
+    do_remote_decode: bool = False
+    remote_engine_id: Text
+    remote_request_id: Text
+    remote_host: Text
+    remote_port: Port
+    tp_size: int
+    remote_block_ids: Annotated[list[PageId], msgspec.Meta(max_length=MAX_BLOCKS)]
+    remote_num_tokens: Count
+    remote_page_tokens: Count
+
+    def __post_init__(self) -> None:
+        _check_host(self.remote_host)
+        if self.tp_size not in SUPPORTED_TP:
+            raise ConfigError(f"kv_transfer_params['tp_size'] must be one of {SUPPORTED_TP}, got {self.tp_size}")
+        need = num_pages_for(self.remote_num_tokens, self.remote_page_tokens)
+        if len(self.remote_block_ids) != need:
+            raise ConfigError(
+                f"kv_transfer_params: {len(self.remote_block_ids)} remote_block_ids for {self.remote_num_tokens} "
+                f"tokens in blocks of {self.remote_page_tokens} (need {need})"
+            )
+
+    def encode(self) -> dict[str, Any]:
+        """The JSON object vLLM returns to the router (plain lists, ints, strings and bools)."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def decode(cls, params: object) -> KvTransferParams:
+        """Validate what decode got from the router: the version first, then every field. Raises naming the key."""
+        if not isinstance(params, dict):
+            raise ConfigError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+        version = params.get("glm_pd_protocol")
+        if type(version) is not int:
+            raise ConfigError(
+                f"kv_transfer_params['glm_pd_protocol'] must be the glm-pd protocol version (this decode speaks "
+                f"{PROTOCOL_VERSION}), got {_shown(version)}: not from a GlmPdConnector prefill of this version"
+            )
+        if version != PROTOCOL_VERSION:
+            raise ConfigError(
+                f"kv_transfer_params['glm_pd_protocol'] is {version}; this decode speaks {PROTOCOL_VERSION} "
+                "(upgrade prefill and decode together)"
+            )
+        try:
+            return msgspec.convert(params, cls)
+        except msgspec.ValidationError as exc:
+            if isinstance(exc.__cause__, ConfigError):  # raised by __post_init__, already names the key
+                raise exc.__cause__ from None
+            raise _refusal(params, str(exc)) from None
 
 
-def _host(params: dict[str, Any], key: str) -> str:
+def _check_host(host: str) -> None:
     """An IP address or a DNS name: decode connects there, and zmq refuses anything else with a ZMQError."""
-    host = _str(params, key)
     literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ipaddress.ip_address(literal)
     except ValueError:
         if not _HOSTNAME.fullmatch(host):
-            raise ConfigError(f"kv_transfer_params[{key!r}] is not an IP address or host name, got {host!r}") from None
-    return host
+            raise ConfigError(
+                f"kv_transfer_params['remote_host'] is not an IP address or host name, got {host!r}"
+            ) from None
 
 
-def parse_remote(params: dict[str, Any]) -> dict[str, Any]:
-    """Validate the params decode got from the router; returns the typed fields. Raises naming the field."""
-    if not isinstance(params, dict):
-        raise ConfigError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-    num_tokens = _int(params, "remote_num_tokens", minimum=1)
-    page_tokens = _int(params, "remote_page_tokens", minimum=1)
-    blocks = params.get("remote_block_ids")
-    if isinstance(blocks, (list, tuple)) and len(blocks) == 1 and isinstance(blocks[0], (list, tuple)):
-        blocks = blocks[0]  # vLLM's per-group form: DSA has exactly one group
-    if not isinstance(blocks, (list, tuple)) or len(blocks) > MAX_BLOCKS:
-        raise ConfigError("kv_transfer_params['remote_block_ids'] must be a list of block ids")
-    if not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
-        raise ConfigError("kv_transfer_params['remote_block_ids'] holds a non-integer block id")
-    bad = [b for b in (min(blocks, default=0), max(blocks, default=0)) if not 0 <= b <= MAX_BLOCK_ID]
-    if bad:
-        raise ConfigError(f"kv_transfer_params['remote_block_ids'] holds block id {bad[0]}, outside 0..{MAX_BLOCK_ID}")
-    need = num_pages_for(num_tokens, page_tokens)
-    if len(blocks) != need:
-        raise ConfigError(
-            f"kv_transfer_params: {len(blocks)} remote_block_ids for {num_tokens} tokens in blocks of "
-            f"{page_tokens} (need {need})"
-        )
-    port = _int(params, "remote_port", minimum=1)
-    if port > 65535:
-        raise ConfigError(f"kv_transfer_params['remote_port'] {port} is not a port")
-    tp_size = _int(params, "tp_size", minimum=1)
-    if tp_size not in SUPPORTED_TP:
-        raise ConfigError(f"kv_transfer_params['tp_size'] must be one of {SUPPORTED_TP}, got {tp_size}")
-    return {
-        "engine_id": _str(params, "remote_engine_id"),
-        "request_id": _str(params, "remote_request_id"),
-        "host": _host(params, "remote_host"),
-        "port": port,
-        "tp_size": tp_size,
-        "num_tokens": num_tokens,
-        "page_tokens": page_tokens,
-        "block_ids": np.asarray(blocks, dtype=np.int64),
-        "fingerprint": params.get("fingerprint"),
-    }
+_AT = re.compile(r"(?P<what>.*) - at `\$\.(?P<key>\w+)(?:\[(?P<index>\d+)\])?`")
+_MISSING = re.compile(r"Object missing required field `(?P<key>\w+)`")
+
+
+def _refusal(params: dict[str, Any], message: str) -> ConfigError:
+    """msgspec's reason, restated with the key and the value that was sent."""
+    missing = _MISSING.fullmatch(message)
+    if missing:
+        return ConfigError(f"kv_transfer_params[{missing['key']!r}] is missing")
+    at = _AT.fullmatch(message)
+    if at is None:
+        return ConfigError(f"kv_transfer_params: {message}")
+    key, value = at["key"], params.get(at["key"])
+    if at["index"] is not None and key == "remote_block_ids":
+        block = value[int(at["index"])]
+        if type(block) is int:
+            return ConfigError(f"kv_transfer_params[{key!r}] holds block id {block}, outside 0..{_MAX_BLOCK_ID}")
+        return ConfigError(f"kv_transfer_params[{key!r}] holds a non-integer block id {_shown(block)}")
+    return ConfigError(f"kv_transfer_params[{key!r}]: {at['what']}, got {_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    """A sent value as an error message shows it: long lists by their length, long text cut."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"a {type(value).__name__} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."

@@ -10,15 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import parse_remote
+from glm_pd_vllm.params import KvTransferParams
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,16 +54,15 @@ class GlmPdMetadata(KVConnectorMetadata):
 
 
 class GlmPdScheduler:
-    def __init__(self, vllm_config: VllmConfig, config: GlmPdVllmConfig, spec: CacheSpec, engine_id: str) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: GlmPdVllmConfig, engine_id: str) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.digest = spec.fingerprint().digest()
         kv = vllm_config.kv_transfer_config
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self._meta = GlmPdMetadata()
-        self._pending: dict[str, tuple[dict[str, Any] | None, int, str]] = {}  # id -> (remote, prefix, error)
+        self._pending: dict[str, tuple[KvTransferParams | None, int, str]] = {}  # id -> (remote, prefix, error)
 
     # -- decode ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -73,9 +71,9 @@ class GlmPdScheduler:
             return 0, False
         num_prompt = len(request.prompt_token_ids or [])
         try:
-            remote = parse_remote(params)
-            if remote["num_tokens"] != num_prompt:
-                raise ConfigError(f"prefill computed {remote['num_tokens']} tokens; this prompt has {num_prompt}")
+            remote = KvTransferParams.decode(params)
+            if remote.remote_num_tokens != num_prompt:
+                raise ConfigError(f"prefill computed {remote.remote_num_tokens} tokens; this prompt has {num_prompt}")
             if num_computed_tokens % self.block_size:
                 raise ConfigError(f"local prefix hit {num_computed_tokens} is not block-aligned ({self.block_size})")
             error = ""
@@ -110,14 +108,14 @@ class GlmPdScheduler:
         self._meta.loads.append(
             LoadSpec(
                 request_id=request.request_id,
-                remote_request_id=remote["request_id"],
-                engine_id=remote["engine_id"],
-                host=remote["host"],
-                port=remote["port"],
-                tp_size=remote["tp_size"],
-                remote_block_ids=remote["block_ids"].tolist(),
+                remote_request_id=remote.remote_request_id,
+                engine_id=remote.remote_engine_id,
+                host=remote.remote_host,
+                port=remote.remote_port,
+                tp_size=remote.tp_size,
+                remote_block_ids=remote.remote_block_ids,
                 local_block_ids=local_blocks,
-                num_tokens=remote["num_tokens"],
+                num_tokens=remote.remote_num_tokens,
                 prefix_tokens=prefix,
                 read=read,
             )
@@ -135,21 +133,22 @@ class GlmPdScheduler:
         blocks = list(block_ids[0]) if block_ids else []
         if not blocks:
             return False, None
+        try:  # the checks decode will apply: params it would refuse are not published, the blocks are freed now
+            out = KvTransferParams(
+                remote_engine_id=self.engine_id,
+                remote_request_id=request.request_id,
+                remote_host=self.config.side_channel_host,
+                remote_port=self.config.side_channel_port,
+                tp_size=self.tp_size,
+                remote_block_ids=blocks,
+                remote_num_tokens=request.num_computed_tokens,
+                remote_page_tokens=self.block_size,
+            )
+        except ConfigError as exc:
+            logger.error("GlmPdConnector: request %s: no kv_transfer_params for decode: %s", request.request_id, exc)
+            return False, None
         self._meta.grants[request.request_id] = blocks
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self.config.side_channel_host,
-            "remote_port": self.config.side_channel_port,
-            "tp_size": self.tp_size,
-            "remote_block_ids": blocks,
-            "remote_num_tokens": request.num_computed_tokens,
-            "remote_page_tokens": self.block_size,
-            "fingerprint": self.digest,
-            "lease_s": self.config.lease_s,
-        }
+        return True, out.encode()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GlmPdMetadata:
         meta, self._meta = self._meta, GlmPdMetadata()

@@ -113,9 +113,10 @@ class GlmPdWorker:
                 verify_digests=self.config.verify_checksums,
             )
         logger.info(
-            "GlmPdConnector worker %s: %d regions, fingerprint %s, transport %s",
+            "GlmPdConnector worker %s: %d regions of %d-token pages, fingerprint %s, transport %s",
             name,
             len(regions),
+            regions[0].page_tokens,
             self.spec.fingerprint().digest(),
             self.transport.info().data_path,
         )

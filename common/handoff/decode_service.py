@@ -22,14 +22,15 @@ import xxhash
 from glm_pd_common.errors import GlmPdError, ProtocolError
 from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.sidechannel import SideChannelClient
 from glm_pd_common.handoff.states import Handoff, HandoffState
-from glm_pd_common.layout.checksum import mismatched_regions, verify
-from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION
+from glm_pd_common.layout.checksum import check_landed, flip_byte, moved_byte
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.tp import release_group, source_rank
+from glm_pd_common.transport.base import Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class LoadJob:
 
 
 LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
+HEARTBEAT_S = 5.0  # an idle lane tells its prefill peers it is alive this often
 _MAX_REMEMBERED_ENGINES = 4096
 
 # Test hooks (the fault matrix and the demo): what each does to one load.
@@ -109,18 +111,21 @@ class DecodeService:
         timeout_s: float,
         verify_digests: bool,
         lanes: int = LANES,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         self.local = local
         self.timeout_s = timeout_s
         self.verify_digests = verify_digests
+        self.heartbeat_s = heartbeat_s
+        self._beats = 0
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._lanes: list[queue.SimpleQueue[LoadJob | None]] = [queue.SimpleQueue() for _ in range(lanes)]
         self._lane_of: dict[str, int] = {}  # prefill engine id -> its lane, first come first served
         self._lock = threading.Lock()
         self._threads = [
-            threading.Thread(target=self._run, args=(q,), name=f"glm-pd-decode-{local.engine_id}-{i}", daemon=True)
-            for i, q in enumerate(self._lanes)
+            threading.Thread(target=self._run, args=(i,), name=f"glm-pd-decode-{local.engine_id}-{i}", daemon=True)
+            for i in range(lanes)
         ]
         for thread in self._threads:
             thread.start()
@@ -136,11 +141,24 @@ class DecodeService:
                 if len(self._lane_of) < _MAX_REMEMBERED_ENGINES:
                     self._lane_of[engine] = lane
                 else:
-                    lane = xxhash.xxh3_64_intdigest(engine.encode()) % len(self._lanes)
+                    lane = _hash_lane(engine, len(self._lanes))
         self._lanes[lane].put(job)
 
     def results(self) -> list[LoadResult]:
         return drain(self._results)
+
+    def leftovers(self) -> dict[str, int]:
+        """What this service holds now. Once every load has ended and its result was collected: ``queued``
+        and ``results`` are 0, ``prefill_peers`` is at most the prefill ranks still in use, and
+        ``transport_peers`` equals ``prefill_peers``. ``lanes_assigned`` (engine id -> lane) is bounded by
+        ``_MAX_REMEMBERED_ENGINES``: a lane must stay its engine's while loads for it may be queued."""
+        return {
+            "queued": sum(lane.qsize() for lane in self._lanes),
+            "results": self._results.qsize(),
+            "prefill_peers": len(self._peers),
+            "transport_peers": len(self.local.transport.remote_peers()),
+            "lanes_assigned": len(self._lane_of),
+        }
 
     def close(self) -> None:
         for lane in self._lanes:
@@ -153,9 +171,17 @@ class DecodeService:
         self._peers.clear()
 
     # -- the service thread -----------------------------------------------------------------------
-    def _run(self, jobs: queue.SimpleQueue[LoadJob | None]) -> None:
+    def _run(self, lane: int) -> None:
+        jobs = self._lanes[lane]
         while True:
-            job = jobs.get()
+            try:
+                job = jobs.get(timeout=self.heartbeat_s)
+            except queue.Empty:
+                try:
+                    self._heartbeat(lane)
+                except Exception as exc:  # a lost heartbeat only risks a re-handshake later
+                    logger.warning("glm-pd decode: heartbeat from lane %d failed: %r", lane, exc)
+                continue
             if job is None:
                 return
             try:
@@ -188,7 +214,6 @@ class DecodeService:
                         prefix_tokens=job.prefix_tokens,
                         src_pages=plan.src_pages.tolist(),
                         dst_pages=plan.dst_pages.tolist(),
-                        dst_engine_id=self.local.engine_id,
                         verify=self.verify_digests,
                     ),
                     job.lease_id,
@@ -198,8 +223,7 @@ class DecodeService:
                 handoff.advance(HandoffState.TRANSFERRING)
                 self._pull(peer, plan, result, job)
                 if job.fault == "corrupt":
-                    last = plan.entries[-1].dst
-                    ctypes_flip(last.base_addr + int(plan.dst_pages[-1]) * last.page_stride + last.page_bytes - 1)
+                    flip_byte(moved_byte(plan))
                 if claim.digests is not None:
                     self._verify(peer, plan, claim.digests, job.lease_id)
                 _stall(job, "stall_before_release")
@@ -209,10 +233,13 @@ class DecodeService:
             if job.read:
                 handoff.advance(HandoffState.SUCCESS)
             result.ok = True
-        except GlmPdError as exc:
-            handoff.fail(str(exc))
-            result.reason = str(exc)
-            self._abort(remote, group, job.lease_id, str(exc))
+        except Exception as exc:  # a peer's error, or a bug: either way prefill is told to free its pages
+            reason = str(exc) if isinstance(exc, GlmPdError) else f"internal error: {exc!r}"
+            if not isinstance(exc, GlmPdError):
+                logger.exception("glm-pd decode: load of %s crashed", job.request_id)
+            handoff.fail(reason)
+            result.reason = reason
+            self._abort(remote, group, job.lease_id, reason)
             self._forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
         result.states = handoff.states
         logger.info(
@@ -241,7 +268,7 @@ class DecodeService:
     def _pull(self, peer: _Peer, plan: TransferPlan, result: LoadResult, job: LoadJob) -> None:
         """Post every layer's runs (layer 0 first, each indexer with its layer), then wait for all."""
         t0 = time.perf_counter()
-        posted = []
+        posted: list[Transfer] = []
         try:
             for _, entries in plan.layers():
                 if len(posted) == 1:
@@ -255,26 +282,25 @@ class DecodeService:
             for xfer in posted:
                 self.local.transport.release(xfer)
         result.seconds = time.perf_counter() - t0
-        result.bytes_by_kind = plan.bytes_by_kind()
+        # What moved is what the transport reported finished, not what the plan says it would move.
+        moved = {"main": 0, "indexer": 0}
+        for xfer in posted:
+            for kind, n in xfer.completed_bytes_by_kind.items():
+                moved[kind] = moved.get(kind, 0) + n
+        result.bytes_by_kind = moved
         result.runs, result.runs_by_kind, result.batches = plan.num_runs, plan.runs_by_kind(), len(posted)
 
     def _verify(self, peer: _Peer, plan: TransferPlan, digests: list[int], request_id: str) -> None:
-        bad = mismatched_regions(plan, digests) if len(digests) == len(plan.entries) else []
-        pages = None
-        if bad:
-            reply = self._ask(
-                peer,
-                protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=request_id, region_indices=bad),
-                request_id,
-                (protocol.PageDigests,),
-            )
-            pages = reply.pages
-        verify(plan, digests, remote_pages=pages)
+        def page_digests_of(regions: list[int]) -> dict[int, list[int]]:
+            query = protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=request_id, region_indices=regions)
+            return self._ask(peer, query, request_id, (protocol.PageDigests,)).pages
+
+        check_landed(plan, digests, page_digests_of)
 
     def _release(self, remote: RemotePrefill, group: list[int], request_id: str, fault: str = "") -> None:
         """Confirm to every prefill rank holding this request; the source rank's answer decides."""
         source = group[0]
-        done = protocol.Done(v=PROTOCOL_VERSION, request_id=request_id, num_bytes=0)
+        done = protocol.Done(v=PROTOCOL_VERSION, request_id=request_id)
         for rank in group:
             try:
                 peer = self._peer(remote, rank)
@@ -291,6 +317,15 @@ class DecodeService:
             peer = self._peers.get((remote.engine_id, rank))
             if peer is not None:
                 peer.client.send(protocol.Abort(v=PROTOCOL_VERSION, request_id=request_id, reason=reason[:500]))
+
+    def _heartbeat(self, lane: int) -> None:
+        """Tell this lane's prefill peers we are alive (an idle connection looks like a gone one)."""
+        for (engine, _), peer in list(self._peers.items()):
+            if self._lane_of.get(engine, _hash_lane(engine, len(self._lanes))) == lane:
+                self._beats += 1
+                peer.client.send(
+                    protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats)
+                )
 
     def _forget(self, remote: RemotePrefill) -> None:
         for key in [k for k in list(self._peers) if k[0] == remote.engine_id]:  # other lanes add theirs
@@ -352,16 +387,12 @@ class _Phases:
         self.into[phase], self.last = now - self.last, now
 
 
+def _hash_lane(engine: str, lanes: int) -> int:
+    return xxhash.xxh3_64_intdigest(engine.encode()) % lanes
+
+
 def _stall(job: LoadJob, kind: str) -> None:
     name, _, seconds = job.fault.partition(":")
     if name == kind:
         logger.warning("glm-pd test hook: %s stalls %s s (%s)", job.request_id, seconds, kind)
         time.sleep(float(seconds))
-
-
-def ctypes_flip(addr: int) -> None:
-    """Fault injection for tests and the demo: invert one byte of registered memory."""
-    import ctypes
-
-    byte = ctypes.c_uint8.from_address(addr)
-    byte.value ^= 0xFF

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,7 +22,7 @@ class Lease:
     request_id: str
     pages: np.ndarray
     expires_at: float
-    claimed: bool = False
+    claimants: set[bytes] = field(default_factory=set)  # side-channel identities of the decode ranks reading
     releases_left: int = 1  # decode ranks that still have to confirm (TP fan-out)
     expectation_set: bool = False
 
@@ -57,10 +57,10 @@ class LeaseTable:
         if lease is not None and not lease.expectation_set:
             lease.releases_left, lease.expectation_set = releases, True
 
-    def claim(self, request_id: str) -> Lease:
+    def claim(self, request_id: str, by: bytes = b"") -> Lease:
         """Decode is about to read: extend the hold to cover the transfer, or refuse an expired lease."""
         lease = self._live(request_id)
-        lease.claimed = True
+        lease.claimants.add(by)
         lease.expires_at = max(lease.expires_at, self._clock() + self.transfer_ttl_s)
         return lease
 
@@ -78,6 +78,10 @@ class LeaseTable:
         """Abort: free the pages whatever the lease's state."""
         lease = self._leases.pop(request_id, None)
         return None if lease is None else lease.pages
+
+    def claimants(self) -> set[bytes]:
+        """Every decode identity that holds a claim on a lease now."""
+        return set().union(*(lease.claimants for lease in self._leases.values()))
 
     def expire(self) -> list[Lease]:
         """Remove and return every lease past its expiry (the caller frees their pages)."""

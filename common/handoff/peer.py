@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from glm_pd_common.errors import GlmPdError, ProtocolError
 from glm_pd_common.handoff import protocol
-from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION, PeerShape, check_shape, require_match
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.layout.fingerprint import PeerShape, check_shape, require_match
 from glm_pd_common.layout.formats import main_page_format
 from glm_pd_common.layout.regions import Region, plan_order
 from glm_pd_common.layout.spec import CacheSpec

@@ -4,6 +4,10 @@ One thread owns the side channel socket, the transport's notifications and the l
 them is touched concurrently. The engine adapter talks to it through two thread-safe calls: ``grant``
 (a finished request's pages, to hold for decode) and ``finished`` (requests whose pages may now be freed:
 released by every decode rank that reads them, aborted, or expired).
+A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
+same agent (a restart, or a re-handshake after a failed load) replaces it, and a peer silent for
+``peer_idle_s`` that holds no claim on a live lease is forgotten; either way its agent leaves the transport.
+``leftovers`` counts what is held, so a harness can check that nothing leaks.
 """
 
 from __future__ import annotations
@@ -17,14 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_pd_common.errors import GlmPdError
+from glm_pd_common.errors import GlmPdError, ProtocolError
 from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.lease import LeaseTable
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.sidechannel import SideChannelServer
-from glm_pd_common.layout.checksum import page_digests, plan_digests
-from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION
+from glm_pd_common.layout.checksum import MAX_PAGE_QUERIES, page_digests, plan_digests
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.tp import expected_releases
@@ -45,6 +49,8 @@ class Finished:
 class _Decode:
     identity: bytes
     peer: PeerView
+    agent: str  # its agent in our transport
+    last_seen: float = 0.0
 
 
 class PrefillService:
@@ -56,9 +62,13 @@ class PrefillService:
         port: int,
         lease_s: float,
         timeout_s: float,
+        peer_idle_s: float | None = None,
     ) -> None:
         self.local = local
         self.timeout_s = timeout_s
+        # Past this silence a decode is gone: a live one heartbeats while idle, and claims within a lease.
+        self.peer_idle_s = lease_s + timeout_s if peer_idle_s is None else peer_idle_s
+        self._next_idle_check = 0.0
         self.server = SideChannelServer(host, port)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
         self._grants: queue.SimpleQueue[tuple[str, np.ndarray]] = queue.SimpleQueue()
@@ -82,6 +92,19 @@ class PrefillService:
 
     def finished(self) -> list[Finished]:
         return drain(self._finished)
+
+    def leftovers(self) -> dict[str, int]:
+        """What this service holds now. Once every request has ended: ``leases``, ``early_claims`` and
+        ``plans`` are 0, ``decode_peers`` is at most the decode ranks still connected, ``transport_peers``
+        equals ``decode_peers`` (one transport agent per decode peer).
+        The ids of recently ended leases are kept apart, bounded (so a late claim fails fast)."""
+        return {
+            "leases": len(self._leases),
+            "early_claims": len(self._early_claims),
+            "plans": len(self._plans),
+            "decode_peers": len(self._decodes),
+            "transport_peers": len(self.local.transport.remote_peers()),
+        }
 
     def close(self) -> None:
         self._stop.set()
@@ -114,6 +137,8 @@ class PrefillService:
             if deadline < now:
                 del self._early_claims[request_id, ident]
                 self._fail(ident, request_id, "prefill holds no lease for this request")
+        if now >= self._next_idle_check:
+            self._forget_silent(now)
         self.local.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
         try:
             ident, msg = self.server.recv(timeout_s=0.002)
@@ -121,6 +146,8 @@ class PrefillService:
             if "no message" not in str(exc):
                 logger.warning("glm-pd prefill: refused a side-channel message: %s", exc)
             return
+        if ident in self._decodes:
+            self._decodes[ident].last_seen = time.monotonic()
         self._dispatch(ident, msg)
 
     def _dispatch(self, ident: bytes, msg: protocol.Message) -> None:
@@ -128,6 +155,8 @@ class PrefillService:
             self.server.send(ident, self.local.hello(b""))
         elif isinstance(msg, protocol.Hello):
             self._on_hello(ident, msg)
+        elif isinstance(msg, protocol.Heartbeat):
+            pass  # its arrival is the news (a forgotten peer learns at its next claim, and says hello again)
         elif ident not in self._decodes:
             self._fail(ident, getattr(msg, "request_id", ""), "no handshake from this peer yet")
         elif isinstance(msg, protocol.TransferRequest):
@@ -138,22 +167,29 @@ class PrefillService:
             self._on_abort(msg)
         elif isinstance(msg, protocol.DigestQuery):
             plan = self._plans.get((ident, msg.request_id))
-            wanted = [i for i in msg.region_indices if plan is not None and 0 <= i < len(plan.entries)][:8]
+            known = len(plan.entries) if plan is not None else 0
+            wanted = [i for i in msg.region_indices if 0 <= i < known][:MAX_PAGE_QUERIES]
             pages = {i: page_digests(plan, i, "src") for i in wanted} if plan is not None else {}
             self.server.send(ident, protocol.PageDigests(v=PROTOCOL_VERSION, request_id=msg.request_id, pages=pages))
 
     def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
         t0 = time.monotonic()
+        self._forget(ident, "it said hello again")
         try:
             peer = accept_hello(
                 self.local.spec, msg, backend=self.local.transport.backend, role="decode", local_role="prefill"
             )
-            self.local.transport.add_peer(peer.agent_metadata, peer.spans)
+            for other in [d.identity for d in self._decodes.values() if d.agent == peer.agent_name]:
+                self._forget(other, "its agent said hello on a new connection (a restart or a re-handshake)")
+            agent = self.local.transport.add_peer(peer.agent_metadata, peer.spans)
+            if agent != peer.agent_name:
+                self.local.transport.remove_peer(agent)
+                raise ProtocolError(f"decode {msg.engine_id} says agent {peer.agent_name!r}, its metadata {agent!r}")
         except GlmPdError as exc:
             logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
             self._fail(ident, "", str(exc))
             return
-        self._decodes[ident] = _Decode(ident, peer)
+        self._decodes[ident] = _Decode(ident, peer, agent, time.monotonic())
         self.server.send(ident, self.local.hello(self.local.transport.metadata()))
         logger.info("glm-pd prefill: decode %s accepted in %.1f ms", msg.engine_id, (time.monotonic() - t0) * 1e3)
 
@@ -170,7 +206,7 @@ class PrefillService:
         decode = self._decodes[ident]
         try:
             self._leases.expect(msg.request_id, self._releases_from(decode))
-            lease = self._leases.claim(msg.request_id)
+            lease = self._leases.claim(msg.request_id, by=ident)
             own = suffix_pages(
                 lease.pages,
                 msg.num_tokens,
@@ -200,7 +236,6 @@ class PrefillService:
                 v=PROTOCOL_VERSION,
                 request_id=msg.request_id,
                 lease_s=self.timeout_s,
-                num_bytes=plan.num_bytes,
                 digests=digests,
             ),
         )
@@ -223,6 +258,24 @@ class PrefillService:
         for key in [k for k in self._early_claims if k[0] == msg.request_id]:
             del self._early_claims[key]
         self._drop_plans(msg.request_id)
+
+    def _forget_silent(self, now: float) -> None:
+        self._next_idle_check = now + min(1.0, self.peer_idle_s / 4)
+        reading = self._leases.claimants()
+        for d in [d for d in self._decodes.values() if now - d.last_seen > self.peer_idle_s]:
+            if d.identity not in reading:
+                self._forget(d.identity, f"silent for {now - d.last_seen:.1f} s, holding no claim on a live lease")
+
+    def _forget(self, ident: bytes, why: str) -> None:
+        """Drop a decode peer and what was kept for it (its agent, plans, early claims); leases stay."""
+        decode = self._decodes.pop(ident, None)
+        for key in [k for k in self._early_claims if k[1] == ident]:
+            del self._early_claims[key]
+        for key in [k for k in self._plans if k[0] == ident]:
+            del self._plans[key]
+        if decode is not None:
+            self.local.transport.remove_peer(decode.agent)
+            logger.info("glm-pd prefill: forgot decode %s: %s", decode.peer.engine_id, why)
 
     def _releases_from(self, decode: _Decode) -> int:
         return expected_releases(self.local.shape.tp_rank, self.local.shape.tp_size, decode.peer.shape.tp_size)

@@ -3,6 +3,10 @@
 Version history:
 - 1: hello, query (a hello without joining: what ``glm-pd doctor --peer`` sends), transfer request
   (decode's claim on a lease), claimed, done, released, failed, abort, heartbeat, digest query/reply.
+- 2: the hello's fingerprint carries a layout version in place of the protocol version; vLLM's
+  ``kv_transfer_params`` and SGLang's backend messages carry this version too. Fields nobody read are gone
+  (transfer ``dst_engine_id``; done ``num_bytes``/``digests``; claimed ``num_bytes``); digests are typed
+  as uint64; decode sends heartbeats while idle, so prefill can forget a decode that went silent.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -15,11 +19,14 @@ from typing import Annotated, Union
 import msgspec
 
 from glm_pd_common.errors import ProtocolError
-from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION, Fingerprint, PeerShape
+from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
+
+PROTOCOL_VERSION = 2  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
 # Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
 PageId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Digest = Annotated[int, msgspec.Meta(ge=0)]  # xxh3-64: msgpack caps it at 2**64 - 1
 
 
 class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -62,7 +69,6 @@ class TransferRequest(_Base, tag="transfer"):
     prefix_tokens: int
     src_pages: list[PageId]
     dst_pages: list[PageId]
-    dst_engine_id: str
     verify: bool = False
 
 
@@ -71,8 +77,7 @@ class Claimed(_Base, tag="claimed"):
 
     request_id: str
     lease_s: float
-    num_bytes: int
-    digests: list[int] | None = None
+    digests: list[Digest] | None = None
 
 
 class Released(_Base, tag="released"):
@@ -82,9 +87,9 @@ class Released(_Base, tag="released"):
 
 
 class Done(_Base, tag="done"):
+    """Decode's read finished: may prefill confirm the pages were held until now (``Released``)?"""
+
     request_id: str
-    num_bytes: int
-    digests: list[int] | None = None
 
 
 class Failed(_Base, tag="failed"):
@@ -98,6 +103,8 @@ class Abort(_Base, tag="abort"):
 
 
 class Heartbeat(_Base, tag="heartbeat"):
+    """Decode is alive (sent on an idle connection); prefill forgets a peer silent for too long."""
+
     engine_id: str
     seq: int
 
@@ -109,7 +116,7 @@ class DigestQuery(_Base, tag="digest_query"):
 
 class PageDigests(_Base, tag="page_digests"):
     request_id: str
-    pages: dict[int, list[int]]  # digests (uint64), not page ids
+    pages: dict[int, list[Digest]]  # region index -> one digest per destination page
 
 
 Message = Union[

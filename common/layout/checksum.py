@@ -7,6 +7,7 @@ bytes with what landed. On a mismatch, per-page digests of that one region name 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
@@ -61,14 +62,32 @@ def page_digests(plan: TransferPlan, entry_index: int, side: str) -> list[int]:
     return [h.intdigest() for h in hashers]
 
 
+MAX_PAGE_QUERIES = 8  # regions whose per-page digests decode asks for, and prefill answers, on a mismatch
+
+
+def check_landed(
+    plan: TransferPlan, expected: list[int], page_digests_of: Callable[[list[int]], dict[int, list[int]]]
+) -> None:
+    """The digest exchange, decode's side: compare what landed with the source's region digests; on a
+    mismatch ask the source (``page_digests_of``) for per-page digests of the differing regions, so the
+    error names the first bad page. Both replies come from the peer and are checked before use."""
+    bad = mismatched_regions(plan, expected)
+    verify(plan, expected, remote_pages=page_digests_of(bad[:MAX_PAGE_QUERIES]) if bad else None)
+
+
 def verify(plan: TransferPlan, expected: list[int], *, remote_pages: dict[int, list[int]] | None = None) -> None:
     """Compare the destination's bytes with the source's digests; raise naming layer, kind and page.
 
     ``remote_pages`` optionally holds the source's per-page digests of regions already known to differ,
     which lets the error name the first differing destination page.
     """
-    if len(expected) != len(plan.entries):
-        raise ChecksumMismatch(f"peer sent {len(expected)} region digests; the plan has {len(plan.entries)} regions")
+    _check_counts(plan, expected)
+    for index, pages in (remote_pages or {}).items():
+        if not 0 <= index < len(plan.entries) or len(pages) != plan.dst_pages.size:
+            raise ChecksumMismatch(
+                f"peer sent per-page digests for region {index}: {len(pages)} digests; the plan has "
+                f"{len(plan.entries)} regions of {plan.dst_pages.size} destination pages"
+            )
     local = plan_digests(plan, "dst")
     for index, (entry, got, want) in enumerate(zip(plan.entries, local, expected, strict=True)):
         if got == want:
@@ -88,13 +107,32 @@ def verify(plan: TransferPlan, expected: list[int], *, remote_pages: dict[int, l
 
 def mismatched_regions(plan: TransferPlan, expected: list[int]) -> list[int]:
     """Indices of region pairs whose destination bytes differ from the source digests."""
+    _check_counts(plan, expected)
     return [i for i, (a, b) in enumerate(zip(plan_digests(plan, "dst"), expected, strict=True)) if a != b]
+
+
+def _check_counts(plan: TransferPlan, expected: list[int]) -> None:
+    if len(expected) != len(plan.entries):
+        raise ChecksumMismatch(f"peer sent {len(expected)} region digests; the plan has {len(plan.entries)} regions")
 
 
 def _source_page(plan: TransferPlan, dst_page_index: int) -> int:
     """The first source page feeding a destination page position."""
     hit = np.flatnonzero(plan.chunks.dst_page_index == dst_page_index)
     return int(plan.src_pages[plan.chunks.src_page_index[hit[0]]])
+
+
+def moved_byte(plan: TransferPlan) -> int:
+    """The address of a destination byte the plan writes (the last byte of its last run): a flip there is
+    always among the bytes a check compares, whatever the page sizes and prefix."""
+    entry = next(e for e in reversed(plan.entries) if e.num_runs)
+    return entry.dst.base_addr + int(entry.dst_offsets[-1]) + int(entry.lengths[-1]) - 1
+
+
+def flip_byte(addr: int) -> None:
+    """Test hook (fault matrix, demo, SGLang's corrupt_next_room): invert one byte of registered memory."""
+    byte = ctypes.c_uint8.from_address(addr)
+    byte.value ^= 0xFF
 
 
 def region_pages_digest(region: Region, pages: np.ndarray) -> int:

@@ -1,7 +1,8 @@
 """Byte-relevant facts two peers must share, a stable digest of them, and a field-level diff.
 
 Page size and TP shape are not part of the fingerprint: they may differ (the plan converts them) and are
-checked for convertibility instead.
+checked for convertibility instead. The wire's protocol version is not part of it either: it lives with the
+protocol (``glm_pd_common.handoff.protocol``) and every message is checked against it before this is read.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from glm_pd_common.layout.formats import IndexerFormat, MainRowFormat, check_pag
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.tp import SUPPORTED_TP
 
-PROTOCOL_VERSION = 1
+# The meaning of the fields below: bump when the same field values would lay bytes out differently.
+LAYOUT_VERSION = 1
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    protocol_version: int
+    layout_version: int
     model_type: str
     num_layers: int
     full_indexer_layers: tuple[int, ...]
@@ -50,7 +52,7 @@ def make_fingerprint(
     geometry: ModelGeometry, cache_dtype: str, row: MainRowFormat, indexer: IndexerFormat
 ) -> Fingerprint:
     return Fingerprint(
-        protocol_version=PROTOCOL_VERSION,
+        layout_version=LAYOUT_VERSION,
         model_type=geometry.model_type,
         num_layers=geometry.num_layers,
         full_indexer_layers=geometry.full_indexer_layers,

@@ -36,24 +36,16 @@ class MainRowFormat:
         raise KeyError(f"row format {self.name} has no field {field!r}; it has {[f[0] for f in self.fields]}")
 
 
-_CACHE_DTYPE_ALIASES = {
-    "fp8_ds_mla": "fp8_ds_mla",
-    "auto": "bf16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp8": "fp8",
-    "fp8_e4m3": "fp8",
-}
+ROW_FORMATS = ("fp8_ds_mla", "fp8_raw", "bf16")  # engines' dtype names map onto these in cache_dtypes
 
 
-def main_row_format(cache_dtype: str, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64) -> MainRowFormat:
-    """The main-KV row for a cache dtype (vLLM's and SGLang's names); raises on an unknown dtype."""
-    kind = _CACHE_DTYPE_ALIASES.get(cache_dtype)
-    if kind is None:
-        raise ConfigError(
-            f"kv cache dtype {cache_dtype!r} is not supported; use one of {', '.join(_CACHE_DTYPE_ALIASES)}"
-        )
-    if kind == "fp8_ds_mla":
+def main_row_format(row_format: str, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64) -> MainRowFormat:
+    """The main-KV row of one of glm-pd's row formats; raises on any other name (engine names go through
+    ``cache_dtypes`` first, because the same name means different rows to different engines)."""
+    if row_format not in ROW_FORMATS:
+        raise ConfigError(f"main row format {row_format!r} is not one of {', '.join(ROW_FORMATS)}")
+    fields: tuple[tuple[str, int, int], ...]
+    if row_format == "fp8_ds_mla":
         if kv_lora_rank % FP8_TILE:
             raise ConfigError(f"fp8_ds_mla needs kv_lora_rank divisible by {FP8_TILE}, got {kv_lora_rank}")
         scales_end = kv_lora_rank + 4 * (kv_lora_rank // FP8_TILE)
@@ -62,14 +54,14 @@ def main_row_format(cache_dtype: str, kv_lora_rank: int = 512, qk_rope_head_dim:
             ("latent_scales_fp32", kv_lora_rank, scales_end),
             ("rope_bf16", scales_end, scales_end + 2 * qk_rope_head_dim),
         )
-    elif kind == "bf16":
+    elif row_format == "bf16":
         fields = (
             ("latent_bf16", 0, 2 * kv_lora_rank),
             ("rope_bf16", 2 * kv_lora_rank, 2 * (kv_lora_rank + qk_rope_head_dim)),
         )
     else:
         fields = (("latent_fp8", 0, kv_lora_rank), ("rope_fp8", kv_lora_rank, kv_lora_rank + qk_rope_head_dim))
-    return MainRowFormat(name=kind, row_bytes=fields[-1][2], fields=fields)
+    return MainRowFormat(name=row_format, row_bytes=fields[-1][2], fields=fields)
 
 
 @dataclass(frozen=True)

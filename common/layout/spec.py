@@ -11,15 +11,17 @@ from glm_pd_common.layout.geometry import ModelGeometry
 
 @dataclass(frozen=True)
 class CacheSpec:
+    """``cache_dtype`` holds glm-pd's row format name (``formats.ROW_FORMATS``), never an engine's dtype name."""
+
     geometry: ModelGeometry
     cache_dtype: str
     row: MainRowFormat
     indexer: IndexerFormat
 
     @classmethod
-    def create(cls, geometry: ModelGeometry, cache_dtype: str = "fp8_ds_mla", scale_format: str = "fp32") -> CacheSpec:
-        row = main_row_format(cache_dtype, geometry.kv_lora_rank, geometry.qk_rope_head_dim)
-        return cls(geometry, cache_dtype, row, IndexerFormat(geometry.index_head_dim, scale_format))
+    def create(cls, geometry: ModelGeometry, row_format: str = "fp8_ds_mla", scale_format: str = "fp32") -> CacheSpec:
+        row = main_row_format(row_format, geometry.kv_lora_rank, geometry.qk_rope_head_dim)
+        return cls(geometry, row_format, row, IndexerFormat(geometry.index_head_dim, scale_format))
 
     def fingerprint(self) -> Fingerprint:
         return make_fingerprint(self.geometry, self.cache_dtype, self.row, self.indexer)

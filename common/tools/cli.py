@@ -1,4 +1,8 @@
-"""``glm-pd`` command line: plan (the capacity account), demo (a real loopback handoff), doctor."""
+"""``glm-pd`` command line: plan (the capacity account), demo (a real loopback handoff), doctor.
+
+A plain install runs every command but the demo, which needs the side channel and a transport (extras);
+so the demo's modules are imported only when it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from glm_pd_common.errors import GlmPdError
+from glm_pd_common.layout.cache_dtypes import DEFAULT_CACHE_DTYPE, ENGINES, row_format_for, row_formats_by_backend
+from glm_pd_common.layout.formats import main_row_format
 from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, require_transport
 
 _SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -31,12 +40,39 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--preset", default="glm-5.3", help="named model geometry (default glm-5.3)")
     src.add_argument("--config", help="path to an HF config.json (or its folder) instead of a preset")
-    parser.add_argument("--kv-cache-dtype", default="fp8_ds_mla", help="fp8_ds_mla (default), bf16/auto, fp8")
+    parser.add_argument("--engine", choices=ENGINES, default="vllm", help="whose --kv-cache-dtype names (vllm)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        help="the engine's own name: vllm auto|bfloat16|fp8|fp8_e4m3|fp8_ds_mla (default fp8), "
+        "sglang auto|bf16|bfloat16|fp8_e4m3 (default fp8_e4m3)",
+    )
     parser.add_argument("--indexer-scale-format", default="fp32", choices=["fp32", "ue8m0x4"])
 
 
 def load_geometry(args: argparse.Namespace) -> ModelGeometry:
     return ModelGeometry.from_config(args.config) if args.config else ModelGeometry.preset(args.preset)
+
+
+def cache_dtype(args: argparse.Namespace) -> str:
+    return args.kv_cache_dtype or DEFAULT_CACHE_DTYPE[args.engine]
+
+
+def main_rows_by_backend(args: argparse.Namespace, geometry: ModelGeometry) -> dict[str, dict[str, object]]:
+    """The main rows the engine allocates for the dtype named: its default backend first, then the others."""
+    rows = row_formats_by_backend(args.engine, cache_dtype(args))
+    return {
+        backend or "default": {
+            "format": name,
+            "row_bytes": main_row_format(name, geometry.kv_lora_rank, geometry.qk_rope_head_dim).row_bytes,
+        }
+        for backend, name in sorted(rows.items(), key=lambda item: item[0] is not None)
+    }
+
+
+def cache_spec(args: argparse.Namespace) -> CacheSpec:
+    """The spec of a rank the engine ``--engine`` runs with ``--kv-cache-dtype`` (its default backend)."""
+    row_format = row_format_for(args.engine, cache_dtype(args))
+    return CacheSpec.create(load_geometry(args), row_format, args.indexer_scale_format)
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +93,6 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from glm_pd_common.layout.capacity import AccountInputs, account
     from glm_pd_common.layout.fingerprint import PeerShape, require_convertible
-    from glm_pd_common.layout.spec import CacheSpec
     from glm_pd_common.tools.report import print_account
 
     if args.link_gbps <= 0 or args.nics <= 0:
@@ -66,7 +101,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise GlmPdError("--tokens must be positive")
     decode_pt = args.decode_page_tokens or args.page_tokens
     require_convertible(PeerShape(args.page_tokens, args.prefill_tp, 0), PeerShape(decode_pt, args.decode_tp, 0))
-    spec = CacheSpec.create(load_geometry(args), args.kv_cache_dtype, args.indexer_scale_format)
+    spec = cache_spec(args)
     result = account(
         AccountInputs(
             geometry=spec.geometry,
@@ -82,7 +117,9 @@ def _run_plan(args: argparse.Namespace) -> int:
             nics_per_rank=args.nics,
         )
     )
-    result["kv_cache_dtype"] = args.kv_cache_dtype
+    result["engine"] = args.engine
+    result["kv_cache_dtype"] = cache_dtype(args)
+    result["main_rows_by_backend"] = main_rows_by_backend(args, spec.geometry)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -90,20 +127,55 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """All commands; the demo's own parser (and the modules behind it) only when ``command`` is the demo."""
     parser = argparse.ArgumentParser(prog="glm-pd", description="GLM-5.x-aware PD handoff for vLLM and SGLang")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
-    from glm_pd_common.tools.demo import add_parser as add_demo
+    if command == "demo":
+        _demo_parser(sub)
+    else:
+        sub.add_parser("demo", help="run one real loopback handoff between two processes (needs a transport extra)")
     from glm_pd_common.tools.doctor import add_parser as add_doctor
 
-    add_demo(sub)
     add_doctor(sub)
     return parser
 
 
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    """The real demo parser, or, without the side channel, one that takes any arguments and names the extra."""
+    try:
+        from glm_pd_common.tools.demo import add_parser
+    except ModuleNotFoundError as exc:
+        if exc.name not in OPTIONAL_MODULES:
+            raise
+        missing = OPTIONAL_MODULES[exc.name][0]
+        # No option prefix: every argument is a positional, so any demo command line reaches the message.
+        p = sub.add_parser("demo", prefix_chars="\0")
+        p.add_argument("arguments", nargs="*")
+        p.set_defaults(func=lambda _args: _refuse_demo(missing))
+        return
+    add_parser(sub)
+    demo = sub.choices["demo"]
+    run = demo.get_default("func")
+
+    def checked(args: argparse.Namespace) -> int:
+        require_transport("demo", args.transport)
+        return run(args)
+
+    demo.set_defaults(func=checked)
+
+
+def _refuse_demo(missing: str) -> NoReturn:
+    raise GlmPdError(
+        f"needs {missing} and a transport, which this install lacks: {install_hint('nixl')} "
+        f"(or {install_hint('mooncake')} for --transport mooncake)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -149,6 +149,7 @@ def summarize(job: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
         "plan_ms",
         "verified_digests",
         "prefix_bytes_kept",
+        "suffix_tokens_checked",
         "error",
     ):
         if key in r:
@@ -176,7 +177,11 @@ def print_report(s: dict[str, Any]) -> None:
                 "moved",
                 f"{human_bytes(b['total'])} (main {human_bytes(b['main'])}, indexer {human_bytes(b['indexer'])})",
             ),
-            ("suffix rule kept", f"{human_bytes(s['prefix_bytes_kept'])} already on decode"),
+            (
+                "suffix rule kept",
+                f"decode's {human_bytes(s['prefix_bytes_kept'])} prefix unchanged (its own bytes, not prefill's); "
+                f"{s['suffix_tokens_checked']:,} suffix tokens equal prefill's",
+            ),
             (
                 "runs",
                 f"{s['runs']:,} coalesced (main {s['runs_by_kind']['main']:,}, indexer "

@@ -29,7 +29,8 @@ from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches, memcpy_gbps
 from glm_pd_common.transport.base import TransportConfig, create_transport
 
-SEED = 20261201
+SEED = 20261201  # prefill's content for every token
+DECODE_PREFIX_SEED = SEED + 1  # decode's prefix hit holds other bytes, so a read that strays into it shows
 REQUEST_ID = "demo-0"
 
 
@@ -44,7 +45,7 @@ MISMATCHES = {
         s, full_indexer_layers=ModelGeometry.preset("glm-5").full_indexer_layers
     ),
     "mtp_layers": lambda s: _replace_geometry(s, num_mtp_layers=0),
-    "cache_dtype": lambda s: CacheSpec.create(s.geometry, "fp8", s.indexer.scale_format),
+    "cache_dtype": lambda s: CacheSpec.create(s.geometry, "fp8_raw", s.indexer.scale_format),
     "indexer_scale_format": lambda s: CacheSpec.create(s.geometry, s.cache_dtype, "ue8m0x4"),
     "model_revision": lambda s: _replace_geometry(s, revision="prefill-rev"),
 }
@@ -131,7 +132,7 @@ def run_prefill(job: dict[str, Any]) -> int:
 def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
     n, prefix = params["num_tokens"], job["prefix_tokens"]
     caches, table, local = _endpoint(job, "decode", job["decode_page_tokens"])
-    caches.write_tokens(table, 0, prefix, seed=SEED)  # the prefix-cache hit decode already holds
+    caches.write_tokens(table, 0, prefix, seed=DECODE_PREFIX_SEED)  # the prefix-cache hit decode already holds
     transport = local.transport
     service = DecodeService(
         local,
@@ -159,10 +160,15 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
     load = results[0] if results else LoadResult(REQUEST_ID, False, "no result within the time bound")
     report: dict[str, Any] = {"role": "decode", "ok": load.ok, "states": load.states}
     if load.ok:
-        bad = caches.mismatched_tokens(table, 0, n, seed=SEED)
-        report["ok"] = not bad
+        # Measured, not inferred: decode's prefix still holds its own bytes, and the suffix equals prefill's.
+        prefix_bytes = sum(r.page_format.bytes_per_token for r in caches.regions) * prefix
+        kept = caches.equal_bytes(table, 0, prefix, seed=DECODE_PREFIX_SEED)
+        bad = caches.mismatched_tokens(table, prefix, n, seed=SEED)
+        report["ok"] = not bad and kept == prefix_bytes
         if bad:
             report["error"] = "decode pages differ from prefill's tokens: " + "; ".join(bad[:5])
+        elif kept != prefix_bytes:
+            report["error"] = f"the load wrote into decode's prefix: {prefix_bytes - kept} of {prefix_bytes} B changed"
         total = sum(load.bytes_by_kind.values())
         report.update(
             seconds=load.seconds,
@@ -176,7 +182,8 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
             regions=len(caches.regions),
             plan_ms=load.plan_ms,
             verified_digests=job["verify"],
-            prefix_bytes_kept=sum(r.page_format.bytes_per_token for r in caches.regions) * prefix,
+            prefix_bytes_kept=kept,
+            suffix_tokens_checked=n - prefix,
         )
     else:
         report["error"] = load.reason

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from importlib import metadata as pkg_metadata
 
 from glm_pd_common.errors import GlmPdError
+from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, installed
 from glm_pd_common.transport.base import rdma_devices
+
+_NO_TORCH_NIXL = "without torch: pip install pyzmq, then pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,17 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def check_side_channel() -> list[Check]:
+    if installed("zmq"):
+        return [Check("PASS", "side channel", f"pyzmq {_version('pyzmq')} importable")]
+    extras = " or ".join(sorted({install_hint(extra) for _, extra in OPTIONAL_MODULES.values()}))
+    return [Check("FAIL", "side channel", "pyzmq not installed: no handshake is possible", extras)]
+
+
 def check_transports() -> list[Check]:
     out = []
     nixl = _version("nixl")
-    found = nixl and importlib.util.find_spec("nixl") is not None
+    found = nixl and installed("nixl")
     out.append(
         Check("PASS", "nixl", f"nixl {nixl} importable")
         if found
@@ -49,11 +59,11 @@ def check_transports() -> list[Check]:
             "FAIL",
             "nixl",
             "nixl not installed",
-            "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 (plain `pip install nixl` pulls torch)",
+            f"{install_hint('nixl')} (its nixl-cu12 pulls torch; {_NO_TORCH_NIXL})",
         )
     )
     mc = _version("mooncake-transfer-engine-non-cuda") or _version("mooncake-transfer-engine")
-    if mc and importlib.util.find_spec("mooncake") is not None:
+    if mc and installed("mooncake"):
         verbs = ctypes.util.find_library("ibverbs")
         out.append(
             Check(
@@ -69,7 +79,7 @@ def check_transports() -> list[Check]:
                 "WARN",
                 "mooncake",
                 "mooncake transfer engine not installed",
-                "pip install mooncake-transfer-engine (CUDA hosts) or -non-cuda; needs libibverbs1",
+                f"{install_hint('mooncake')} (CUDA hosts; else mooncake-transfer-engine-non-cuda); needs libibverbs1",
             )
         )
     return out
@@ -183,16 +193,18 @@ def check_gpus() -> list[Check]:
 
 
 def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
-    from glm_pd_common.handoff import protocol
-    from glm_pd_common.handoff.sidechannel import SideChannelClient
-    from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION, diff
-    from glm_pd_common.layout.spec import CacheSpec
-    from glm_pd_common.tools.cli import load_geometry
-
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise GlmPdError(f"--peer must be host:port, got {address!r}")
-    spec = CacheSpec.create(load_geometry(spec_args), spec_args.kv_cache_dtype, spec_args.indexer_scale_format)
+    if not installed("zmq"):
+        return [Check("FAIL", "peer", f"{address}: cannot ask without pyzmq", install_hint("nixl"))]
+    from glm_pd_common.handoff import protocol
+    from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+    from glm_pd_common.handoff.sidechannel import SideChannelClient
+    from glm_pd_common.layout.fingerprint import diff
+    from glm_pd_common.tools.cli import cache_spec
+
+    spec = cache_spec(spec_args)
     client = SideChannelClient(host, int(port))
     try:
         client.send(protocol.Query(v=PROTOCOL_VERSION, engine_id="glm-pd-doctor"))
@@ -226,7 +238,7 @@ def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = check_transports() + check_rdma() + check_gpus()
+    checks = check_side_channel() + check_transports() + check_rdma() + check_gpus()
     if not args.skip_probe and _version("nixl"):
         checks += check_ucx_path()
     if args.peer:

@@ -170,6 +170,15 @@ class HostCaches:
                     count_first[0] += int(hit.size)
         return [f"{name}: {n} token(s) differ, first token {first}" for name, (n, first) in wrong.items()]
 
+    def equal_bytes(self, page_table: np.ndarray, start: int, end: int, *, seed: int) -> int:
+        """How many bytes of tokens ``[start, end)``, over every region, equal the content ``seed`` writes."""
+        same = 0
+        for tokens in _blocks(start, end):
+            for region in self.regions:
+                got = self.read_tokens(region, page_table, tokens)
+                same += int(np.count_nonzero(got == token_rows(self.spec, region.kind, region.layer_id, tokens, seed)))
+        return same
+
 
 def memcpy_gbps(num_bytes: int, repeats: int = 3) -> float:
     """Single-thread memcpy ceiling of this machine, measured now: best of ``repeats`` over ``num_bytes``

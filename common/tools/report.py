@@ -21,10 +21,24 @@ def print_table(rows: list[tuple[str, str]], title: str) -> None:
         print(f"  {key:<{width}}  {value}")
 
 
+def cache_dtype_line(a: dict) -> str:
+    """What the engine allocates for the cache dtype named, and what other attention backends allocate instead."""
+    default = a["main_rows_by_backend"]["default"]
+    line = f"{a['engine']} {a['kv_cache_dtype']}: {default['format']} rows, {default['row_bytes']:,} B/token/layer"
+    others: dict[tuple[str, int], list[str]] = {}
+    for backend, row in a["main_rows_by_backend"].items():
+        if row != default:
+            others.setdefault((row["format"], row["row_bytes"]), []).append(backend)
+    for (name, nbytes), backends in sorted(others.items()):
+        line += f"; {name} ({nbytes:,} B) under DSA backend {' or '.join(sorted(backends))}"
+    return line
+
+
 def print_account(a: dict) -> None:
     bpt, req, moved = a["bytes_per_token"], a["bytes_per_request"], a["bytes_moved_per_rank"]
     rows = [
-        ("model", f"{a['model_type']}, kv cache {a['kv_cache_dtype']}"),
+        ("model", a["model_type"]),
+        ("kv cache", cache_dtype_line(a)),
         ("full indexer layers", f"{len(a['full_indexer_layers'])}: {a['full_indexer_layers']}"),
         ("MTP layers", str(a["mtp_layers"])),
         ("bytes/token main", f"{bpt['main']:,} B"),
@@ -57,6 +71,11 @@ def print_account(a: dict) -> None:
             f"main {human_seconds(a['per_layer_seconds']['main'])}, "
             f"indexer {human_seconds(a['per_layer_seconds']['indexer'])}",
         ),
-        ("exposed tail", f"{human_seconds(a['exposed_tail_seconds'])} (last layer posted + its indexer)"),
+        ("exposed to decode", f"{human_seconds(a['exposed_seconds'])} (all of it: decode waits for the whole load)"),
+        (
+            "bound if streamed",
+            f"{human_seconds(a['streamed_tail_bound_seconds'])} (last layer + its indexer, if layers streamed; "
+            "glm-pd does not stream)",
+        ),
     ]
     print_table(rows, "glm-pd plan: the handoff account of one request")

@@ -12,7 +12,7 @@ import abc
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
@@ -74,10 +74,17 @@ class Transfer:
     peer: str
     op: Op
     num_runs: int
-    num_bytes: int
+    num_bytes: int  # the descriptor lengths posted
     what: str
     handle: object = None
     fault: str = ""  # test hook: "error" fails the next poll as a backend error would; "hang" never completes
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)  # posted descriptor lengths by region kind
+    completed: bool = False  # set by ``poll`` once the backend reports the whole batch done
+
+    @property
+    def completed_bytes_by_kind(self) -> dict[str, int]:
+        """What this batch moved, as the transport reported it: its posted lengths once done, else nothing."""
+        return dict(self.bytes_by_kind) if self.completed else {}
 
 
 class _Blob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -151,6 +158,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def _add_peer(self, agent_name: str, payload: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _remove_peer(self, agent_name: str) -> None: ...
 
     @abc.abstractmethod
     def _post(
@@ -258,19 +268,27 @@ class Transport(abc.ABC):
         chosen = list(plan.entries) if entries is None else list(entries)
         src, dst, lens = plan.absolute_runs(chosen)
         local, remote = (dst, src) if op == "READ" else (src, dst)
-        return self.post(peer, op, local, remote, lens, notif=notif, what=describe_entries(chosen))
+        xfer = self.post(peer, op, local, remote, lens, notif=notif, what=describe_entries(chosen))
+        # absolute_runs concatenates the entries' runs in order: split the posted lengths back by entry
+        cuts = np.cumsum([e.num_runs for e in chosen])[:-1]
+        for entry, part in zip(chosen, np.split(lens, cuts) if chosen else [], strict=True):
+            kind = entry.dst.kind
+            xfer.bytes_by_kind[kind] = xfer.bytes_by_kind.get(kind, 0) + int(part.sum())
+        return xfer
 
     def poll(self, xfer: Transfer) -> bool:
         if xfer.fault == "error":
             raise TransferFailed(f"{self.backend} {xfer.op} of {xfer.what} with peer {xfer.peer} failed (injected)")
         try:
-            return self._poll(xfer) and xfer.fault != "hang"
+            done = self._poll(xfer) and xfer.fault != "hang"
         except TransferFailed:
             raise
         except Exception as exc:
             raise TransferFailed(
                 f"{self.backend} {xfer.op} of {xfer.what} with peer {xfer.peer} failed: {exc}"
             ) from exc
+        xfer.completed = xfer.completed or done
+        return done
 
     def wait(self, xfer: Transfer, timeout_s: float | None = None) -> None:
         """Block until done; a bounded wait: past the timeout the batch is released and TransferFailed raised."""
@@ -290,7 +308,13 @@ class Transport(abc.ABC):
             xfer.handle = None
 
     def remove_peer(self, peer: str) -> None:
-        self._remote.pop(peer, None)
+        """Forget a peer: unload its agent from the library and its announced regions (unknown: no-op)."""
+        if self._remote.pop(peer, None) is not None:
+            self._remove_peer(peer)
+
+    def remote_peers(self) -> list[str]:
+        """Agents loaded now (what a leak check counts)."""
+        return sorted(self._remote)
 
     def close(self) -> None:
         self._close()

@@ -93,6 +93,10 @@ class MooncakeTransport(Transport):
             raise TransferFailed(f"Mooncake session id {session!r} of peer {agent_name!r} is not host:port")
         self._peers[agent_name] = session
 
+    def _remove_peer(self, agent_name: str) -> None:
+        # The Python engine has no per-segment close (0.3.13): forgetting the session id is all there is.
+        self._peers.pop(agent_name, None)
+
     def _post(
         self, xfer: Transfer, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, notif: bytes | None
     ) -> None:

@@ -152,9 +152,8 @@ class NixlTransport(Transport):
             out, self._backlog = self._backlog, []
         return out
 
-    def remove_peer(self, peer: str) -> None:
-        self._agent.remove_remote_agent(peer)
-        super().remove_peer(peer)
+    def _remove_peer(self, agent_name: str) -> None:
+        self._agent.remove_remote_agent(agent_name)
 
     def info(self) -> TransportInfo:
         tls = os.environ.get("UCX_TLS", "") or "all (UCX chooses)"

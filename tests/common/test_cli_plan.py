@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -39,7 +40,24 @@ def test_prefix_hit_shrinks_what_moves(capsys):
 def test_human_output_runs(capsys):
     assert main(["plan", "--tokens", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "53,940 B" in out and "exposed tail" in out
+    assert "53,940 B" in out and "exposed to decode" in out
+
+
+def test_the_whole_load_is_exposed_and_the_tail_is_only_a_streamed_bound(capsys):
+    a = run_json(capsys, "--tokens", "1M", "--link-gbps", "400")
+    rate = 400e9 / 8
+    assert a["exposed_seconds"] == pytest.approx(a["bytes_moved_per_rank"]["total"] / rate)
+    # posted last: the MTP layer, one 656 B main row and one 132 B indexer row per token (FACTS.md §2)
+    assert a["streamed_tail_bound_seconds"] == pytest.approx((656 + 132) * M / rate)
+    assert "exposed_tail_seconds" not in a
+
+
+def test_human_output_prints_the_link_time_as_exposed(capsys):
+    assert main(["plan", "--tokens", "1M"]) == 0
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in capsys.readouterr().out.splitlines()[1:])
+    assert rows["exposed to decode"].split(" (")[0] == rows["time on the link"] == "1.148 s"
+    assert rows["bound if streamed"].startswith("16.53 ms") and "does not stream" in rows["bound if streamed"]
+    assert "exposed tail" not in rows
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Smoke tests of ``glm-pd demo``: two real processes, a real transport, every decode byte checked."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,10 @@ def test_demo_hands_off_and_verifies(transport, p, d, allocator):
     assert out["bytes"]["total"] == out["bytes"]["main"] + out["bytes"]["indexer"] > 0
     assert out["bytes"]["indexer"] > 0  # the indexer travelled, in its own regions
     assert out["regions"] == 101 and out["prefill_outcome"] == "released"
+    # Measured on decode: its own prefix bytes untouched (GLM-5.3: 79 main rows of 656 B, 22 indexer rows of
+    # 132 B per token), and every suffix token equal to prefill's.
+    assert out["prefix_bytes_kept"] == 512 * (79 * 656 + 22 * 132)
+    assert out["suffix_tokens_checked"] == 2000 - 512
     for key in ("pages", "runs", "seconds", "gbps", "memcpy_gbps"):
         assert key in out
 
@@ -70,10 +75,38 @@ def test_million_tokens_refused_where_memory_is_short():
     assert "of host memory" in proc.stderr and "available" in proc.stderr
 
 
-def test_corruption_is_caught_naming_layer_kind_and_page_and_prefill_frees():
-    proc = demo("--allow-tcp", "--json", "--tokens", "1000", "--prefix-tokens", "0", "--inject-corruption")
-    assert proc.returncode == 1
+@pytest.mark.parametrize(
+    ("p", "d", "prefix"),
+    [(64, 64, 0), (16, 64, 0), (64, 16, 64), (32, 128, 256)],
+    ids=["64-64", "16-64 (the byte flipped before lay outside the plan)", "64-16 prefix 64", "32-128 prefix 256"],
+)
+def test_corruption_is_caught_naming_layer_kind_and_page_and_prefill_frees(p, d, prefix):
+    """The negative control flips a byte the plan moves, so it fails for every page-size pair and prefix."""
+    proc = demo(
+        "--allow-tcp",
+        "--json",
+        "--tokens",
+        "1000",
+        "--prefix-tokens",
+        str(prefix),
+        "--prefill-page-tokens",
+        str(p),
+        "--decode-page-tokens",
+        str(d),
+        "--inject-corruption",
+    )
+    assert proc.returncode == 1, proc.stdout
     out = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert out["ok"] is False and out["states"][-1] == "FAILED"
-    assert "checksum mismatch in layer 78 indexer region, destination page" in out["error"]
+    assert re.search(r"checksum mismatch in layer \d+ (main|indexer) region, destination page \d+ ", out["error"])
     assert out["prefill_outcome"] == "aborted"
+
+
+def test_corruption_without_digests_is_caught_by_the_byte_check():
+    """With --no-verify the load succeeds, and the demo's own byte check must still refuse the result."""
+    proc = demo(
+        "--allow-tcp", "--json", "--tokens", "1000", "--prefix-tokens", "0", "--no-verify", "--inject-corruption"
+    )
+    assert proc.returncode == 1, proc.stdout
+    out = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert out["ok"] is False and "decode pages differ from prefill's tokens" in out["error"]

@@ -86,7 +86,7 @@ def prefill_peer():
 def test_doctor_peer_matches_and_mismatches(prefill_peer):
     same = {c["name"]: c for c in json.loads(doctor("--skip-probe", "--peer", prefill_peer).stdout)}
     assert same["peer fingerprint"]["status"] == "PASS"
-    other = json.loads(doctor("--skip-probe", "--peer", prefill_peer, "--kv-cache-dtype", "bf16").stdout)
+    other = json.loads(doctor("--skip-probe", "--peer", prefill_peer, "--kv-cache-dtype", "bfloat16").stdout)
     bad = {c["name"]: c["detail"] for c in other if c["name"].startswith("peer fingerprint ")}
     assert bad["peer fingerprint main_row_bytes"] == "this node 1152, prefill-0 656"
     assert "peer fingerprint cache_dtype" in bad

@@ -22,7 +22,7 @@ ALTERNATIVES = {
     "indexer_head_dim": 64,
     "indexer_row_bytes": 68,
     "indexer_scale_format": "ue8m0x4",
-    "protocol_version": 2,
+    "layout_version": 2,
 }
 
 
@@ -50,7 +50,7 @@ def test_same_facts_same_digest_and_no_diff():
 
 
 def test_main_row_656_vs_576_is_a_mismatch():
-    raw = CacheSpec.create(ModelGeometry.preset("glm-5.3"), "fp8").fingerprint()
+    raw = CacheSpec.create(ModelGeometry.preset("glm-5.3"), "fp8_raw").fingerprint()
     names = {n for n, _, _ in diff(BASE, raw)}
     assert {"main_row_bytes", "main_row_format", "cache_dtype"} <= names
 

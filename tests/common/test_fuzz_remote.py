@@ -8,6 +8,7 @@ the services' error handling, leaves the request hanging and is a bug.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import time
 from typing import Any
@@ -23,11 +24,13 @@ from hypothesis import strategies as st
 from glm_pd_common.errors import ConfigError, GlmPdError, LayoutMismatch, PageOutOfRange, PlanError, ProtocolError
 from glm_pd_common.handoff import protocol as proto
 from glm_pd_common.handoff.peer import accept_hello, make_hello
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.sidechannel import SideChannelServer, SideChannelTimeout
-from glm_pd_common.layout.fingerprint import PROTOCOL_VERSION, Fingerprint, PeerShape
+from glm_pd_common.layout.checksum import check_landed, flip_byte, moved_byte, page_digests, plan_digests
+from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.formats import SUPPORTED_PAGE_TOKENS
 from glm_pd_common.layout.pages import num_pages_for
-from glm_pd_common.layout.plan import build_plan
+from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_common.tools.hostmem import HostCaches
@@ -168,11 +171,11 @@ def samples(spec: CacheSpec) -> list[proto.Message]:
         make_hello("p0", spec, PeerShape(64, 2, 1), caches.regions, "nixl", "agent-p0", b"\x00meta"),
         proto.Query(v=v, engine_id="doctor"),
         proto.TransferRequest(
-            v=v, request_id="r", num_tokens=130, prefix_tokens=64, src_pages=[1, 2], dst_pages=[3, 0], dst_engine_id="d"
+            v=v, request_id="r", num_tokens=130, prefix_tokens=64, src_pages=[1, 2], dst_pages=[3, 0]
         ),
-        proto.Claimed(v=v, request_id="r", lease_s=30.0, num_bytes=5, digests=[1, UINT64_MAX]),
+        proto.Claimed(v=v, request_id="r", lease_s=30.0, digests=[1, UINT64_MAX]),
         proto.Released(v=v, request_id="r"),
-        proto.Done(v=v, request_id="r", num_bytes=5, digests=None),
+        proto.Done(v=v, request_id="r"),
         proto.Failed(v=v, request_id="r", reason="x"),
         proto.Abort(v=v, request_id="r", reason="y"),
         proto.Heartbeat(v=v, engine_id="e", seq=3),
@@ -181,9 +184,16 @@ def samples(spec: CacheSpec) -> list[proto.Message]:
     ]
 
 
-def test_every_message_type_is_fuzzed() -> None:
-    """The strategies cover the whole union: a new message type cannot slip in unfuzzed."""
-    assert set(BY_TAG) == {t.__struct_config__.tag for t in proto.Message.__args__}  # type: ignore[attr-defined]
+def test_every_message_type_is_fuzzed(small_spec) -> None:
+    """Every message class the protocol module defines is in the decoded union (so in BY_TAG, which the
+    strategies draw from) and has a valid sample: a new message type cannot slip in unfuzzed."""
+    defined = {
+        c.__struct_config__.tag
+        for c in vars(proto).values()
+        if isinstance(c, type) and issubclass(c, proto._Base) and c is not proto._Base
+    }
+    assert set(BY_TAG) == defined
+    assert {type(m).__struct_config__.tag for m in samples(small_spec)} == defined
 
 
 # -- protocol.decode --------------------------------------------------------------------------------
@@ -426,14 +436,82 @@ def test_a_transfer_request_with_ids_past_int64_is_refused_by_decode() -> None:
             "prefix_tokens": 0,
             "src_pages": [0],
             "dst_pages": [UINT64_MAX],
-            "dst_engine_id": "d",
         }
     )
+    with pytest.raises(ProtocolError, match=r"malformed 'transfer' message: .*\$\.dst_pages\[0\]"):
+        proto.decode(raw)  # else np.asarray(dst_pages, dtype=np.int64) in prefill_service._on_claim overflows
+
+
+# -- the digest exchange: prefill's Claimed digests and PageDigests reply ------------------------------
+@pytest.fixture
+def landed(caches) -> TransferPlan:
+    """A plan whose bytes were copied faithfully to the destination (what a good transfer leaves)."""
+    src, dst = caches
+    src.write_tokens(np.arange(SRC_PAGES), 0, SRC_PAGES * SRC_PT, seed=3)
+    plan = build_plan(
+        src.regions, dst.regions, np.arange(3), np.arange(DST_PAGES)[::-1][:6], num_tokens=190, prefix_tokens=0
+    )
+    for s, t, n in zip(*plan.absolute_runs(), strict=True):
+        ctypes.memmove(int(t), int(s), int(n))
+    return plan
+
+
+def digest_lists(real: list[int]) -> st.SearchStrategy[Any]:
+    """The true list, or it edited (a value changed, one dropped or added), or anything at all."""
+    edited = st.tuples(st.integers(0, len(real) - 1), st.sampled_from(["change", "drop", "add"]), ints).map(
+        lambda e: real[: e[0]] + ([e[2]] if e[1] != "drop" else []) + real[e[0] + (e[1] != "add") :]
+    )
+    return st.one_of(st.just(real), edited, hostile, st.lists(ints, max_size=12))
+
+
+@FUZZ
+@given(data=st.data(), corrupt=st.booleans())
+def test_digest_replies_are_checked_or_refused(landed, data, corrupt) -> None:
+    """Both digest replies decode receives go through the wire decoder and ``check_landed`` (what the decode
+    service runs): the load passes only when the bytes landed intact and the source's digests are the true
+    ones; anything else is a GlmPdError (a short or long per-page list once escaped as ValueError)."""
+    plan = landed
+    real = plan_digests(plan, "src")
+    if corrupt:
+        flip_byte(moved_byte(plan))  # flipped back below: the fixture's memory is shared by every example
     try:
-        msg = proto.decode(raw)
-    except ProtocolError:
+        check_replies(plan, real, corrupt, data)
+    finally:
+        if corrupt:
+            flip_byte(moved_byte(plan))
+
+
+def check_replies(plan: TransferPlan, real: list[int], corrupt: bool, data: st.DataObject) -> None:
+    claimed = {"type": "claimed", "v": PROTOCOL_VERSION, "request_id": "r", "lease_s": 1.0}
+    claimed["digests"] = data.draw(digest_lists(real))
+    claim = decode_or_refuse(msgspec.msgpack.encode(claimed))
+    if claim is None:
         return
-    np.asarray(msg.dst_pages, dtype=np.int64)  # what prefill_service._on_claim does next
+
+    def page_digests_of(regions: list[int]) -> dict[int, list[int]]:
+        true = {i: page_digests(plan, i, "src") for i in regions}
+        pages = data.draw(
+            st.one_of(
+                st.just(true),
+                st.fixed_dictionaries({i: digest_lists(v) for i, v in true.items()}),
+                st.dictionaries(ints, st.lists(ints, max_size=8), max_size=3),
+                hostile,
+            )
+        )
+        reply = decode_or_refuse(
+            msgspec.msgpack.encode({"type": "page_digests", "v": PROTOCOL_VERSION, "request_id": "r", "pages": pages})
+        )
+        if reply is None:
+            raise ProtocolError("refused")  # what the side channel raises for a malformed reply
+        return reply.pages
+
+    try:
+        check_landed(plan, claim.digests or [], page_digests_of)
+    except GlmPdError as exc:
+        assert str(exc)
+        assert corrupt or claim.digests != real, f"an intact load was refused: {exc}"
+    else:
+        assert not corrupt and claim.digests == real, "a corrupted load or a false digest passed"
 
 
 # -- the handshake: a peer's hello --------------------------------------------------------------------

@@ -13,14 +13,17 @@ def test_fp8_ds_mla_row_is_656_with_named_ranges():
     assert row.row_bytes * 64 == 41_984
 
 
-@pytest.mark.parametrize(("dtype", "nbytes"), [("auto", 1152), ("bf16", 1152), ("fp8", 576), ("fp8_e4m3", 576)])
-def test_other_row_formats(dtype, nbytes):
-    assert main_row_format(dtype).row_bytes == nbytes
+def test_raw_fp8_and_bf16_rows():
+    raw = main_row_format("fp8_raw")
+    assert raw.row_bytes == 576 and raw.field_range("rope_fp8") == (512, 576)
+    bf16 = main_row_format("bf16")
+    assert bf16.row_bytes == 1152 and bf16.field_range("rope_bf16") == (1024, 1152)
 
 
-def test_unknown_dtype_is_refused():
-    with pytest.raises(ConfigError, match="fp16"):
-        main_row_format("fp16")
+@pytest.mark.parametrize("name", ["fp16", "fp8", "auto"])
+def test_unknown_row_format_is_refused(name):
+    with pytest.raises(ConfigError, match=f"'{name}'.*fp8_ds_mla, fp8_raw, bf16"):
+        main_row_format(name)
 
 
 def test_indexer_page_keys_then_scales():

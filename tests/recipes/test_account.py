@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import json
 import re
 import shlex
 from pathlib import Path
@@ -19,3 +20,15 @@ def test_pasted_plan_outputs_are_current() -> None:
         with contextlib.redirect_stdout(out):
             assert main(shlex.split(command)[1:]) == 0
         assert out.getvalue() == pasted, command
+
+
+def test_the_guide_calls_the_whole_load_exposed() -> None:
+    """Decode schedules a request after its whole load: the guide may not present the last layer as exposed."""
+    text = README.read_text()
+    assert "exposed tail" not in text
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--json", "--tokens", "1M", "--prefill-tp", "8", "--decode-tp", "8"]) == 0
+    account = json.loads(out.getvalue())
+    assert f"waits {account['exposed_seconds']:.2f} s for its KV" in text
+    assert f"The {account['streamed_tail_bound_seconds'] * 1e3:.1f} ms is only the" in text

@@ -64,7 +64,7 @@ def test_without_speculative_decoding_there_is_no_mtp_layer(geometry: ModelGeome
     assert out.spec.geometry.mtp_layers == () and max(r.layer_id for r in out.regions) == 5
 
 
-@pytest.mark.parametrize(("row", "name"), [(576, "fp8"), (1152, "bf16")])
+@pytest.mark.parametrize(("row", "name"), [(576, "fp8_raw"), (1152, "bf16")])
 def test_row_bytes_pick_the_row_format(geometry: ModelGeometry, row: int, name: str) -> None:
     args, _keep = make_args(geometry, row=row)
     assert caches(args, geometry).spec.row.name == name

@@ -7,8 +7,8 @@ layer, ``[num_blocks, 1, block_size, 656]`` main and ``[num_blocks, 1, block_siz
 double: the model forward itself (no GPU here): prefill's "compute" writes layout-valid token bytes into
 the request's blocks, as the attention kernels would.
 
-Run: ``python -m tests.support.vllm_pd_proc JOB_JSON``; prefill prints the kv_transfer_params of its requests, then which
-blocks it freed; decode reads the params on stdin and prints each request's outcome. Lines are marked ``PD``.
+Run: ``python -m tests.support.vllm_pd_proc JOB_JSON``; prefill prints the kv_transfer_params of its requests, then
+which blocks it freed; decode reads the params on stdin and prints each request's outcome. Lines are marked ``PD``.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import cache_spec
 
 SEED = 5
+ENGINE: dict = {}  # what vLLM configured (set by Instance), sent with every report: tests never assume it
 
 
 def say(obj: dict) -> None:
-    sys.stdout.write("PD " + json.dumps(obj) + "\n")
+    sys.stdout.write("PD " + json.dumps({**obj, "engine": ENGINE}) + "\n")
     sys.stdout.flush()
 
 
@@ -95,6 +96,15 @@ class Instance:
     def __init__(self, job: dict) -> None:
         self.job = job
         configs = [vllm_config(job, r) for r in range(job["tp"])]
+        # vLLM's platform may override the requested block size (the CPU MLA backend without AMX forces 16):
+        # from here on the harness shapes its caches and tables with what the engine chose.
+        job["block_size"] = configs[0].cache_config.block_size
+        job["num_blocks"] = job.pop("pool_tokens") // job["block_size"]  # the pool is sized in tokens
+        ENGINE.update(
+            block_size=job["block_size"],
+            prefix_caching=bool(configs[0].cache_config.enable_prefix_caching),
+            amx=bool(torch.cpu._is_amx_tile_supported()),
+        )
         kv_cache_config = KVCacheConfig(num_blocks=job["num_blocks"], kv_cache_tensors=[], kv_cache_groups=[])
         self.scheduler = KVConnectorFactory.create_connector(configs[0], KVConnectorRole.SCHEDULER, kv_cache_config)
         self.workers = [

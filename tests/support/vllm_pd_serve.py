@@ -204,7 +204,7 @@ def main() -> None:
         commands.put(None)
 
     threading.Thread(target=read, daemon=True).start()
-    emit({"event": "ready", "pid": os.getpid()})
+    emit({"event": "ready", "pid": os.getpid(), "block_size": serving.bs})
     while True:
         try:
             while True:

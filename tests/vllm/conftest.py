@@ -29,7 +29,7 @@ def pd(tiny_model, tmp_path):
             "model": tiny_model,
             "block_size": 64,
             "tp": 1,
-            "num_blocks": 48,
+            "pool_tokens": 48 * 64,
             "port": port,
             "lease_s": 90.0,
             "wait_s": 150.0,

@@ -8,16 +8,17 @@ from dataclasses import asdict
 import pytest
 
 from tests.support import vllm_fault_matrix as fault_matrix
+from tests.support.ports import free_port
 from tests.support.vllm_harness import make_tiny_model
 
-NAMES = [f"{name} / {state}" for name, state, _, _ in fault_matrix.cases("", "")]
+NAMES = [f"{name} / {state}" for name, state, *_ in fault_matrix.cases("", "")]
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory, tiny_model, tiny_model_other_layers) -> dict[str, fault_matrix.Row]:
     no_mtp = make_tiny_model(tmp_path_factory.mktemp("glm5-tiny-no-mtp"), num_nextn_predict_layers=0)
     logs = tmp_path_factory.mktemp("fault-matrix")
-    out = fault_matrix.run(tiny_model, tiny_model_other_layers, no_mtp, logs, fault_matrix.free_port())
+    out = fault_matrix.run(tiny_model, tiny_model_other_layers, no_mtp, logs, free_port())
     return {f"{r.case} / {r.state}": r for r in out}
 
 

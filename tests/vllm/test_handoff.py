@@ -1,42 +1,49 @@
 """Prefill and decode instances (separate processes) through GlmPdConnector's hooks, real NIXL on loopback."""
 
 import json
+import time
 
 import pytest
 
-TOKENS, BLOCK = 1000, 64
+TOKENS = 1000  # blocks of 64 are asked for; the engine may choose another size, which the reports carry
 MOVED_PER_TOKEN = 7 * 656 + 4 * 132  # tiny model: 6 layers + MTP main rows; layers 0-2 + MTP indexer rows
 
 
 def handoff(pd, prefill_kw=None, decode_kw=None, tamper=None):
     prefill = pd("kv_producer", **(prefill_kw or {}))
-    params = prefill.read()["params"]
+    first = prefill.read()
+    params = first["params"]
     if tamper:
         tamper(params)
     decode = pd("kv_consumer", json.dumps(params), **(decode_kw or {}))
     matched = decode.read()["matched"]
     result = decode.read()
+    result["prefill_engine"] = first["engine"]
     result["logs"] = f"decode:\n{decode.log_tail()}\nprefill:\n{prefill.log_tail()}"
     return prefill, params, matched, result
 
 
-def moved_bytes(prefix):
-    return (-(-TOKENS // BLOCK) * BLOCK - prefix) * MOVED_PER_TOKEN  # blocks are copied whole
+def moved_tokens(result, prefix):
+    """Tokens in whole blocks from decode's prefix to the end (both engines chose the same block size here)."""
+    block = result["engine"]["block_size"]
+    assert result["prefill_engine"]["block_size"] == block
+    return -(-TOKENS // block) * block - prefix  # blocks are copied whole
 
 
 @pytest.mark.parametrize("prefix", [0, 384])
 def test_suffix_moves_byte_exact_and_prefill_frees(pd, prefix):
     prefill, params, matched, result = handoff(pd, decode_kw={"prefix_tokens": prefix})
     (p,) = params
-    assert p["remote_num_tokens"] == TOKENS and p["remote_page_tokens"] == BLOCK and p["tp_size"] == 1
+    assert p["remote_num_tokens"] == TOKENS and p["tp_size"] == 1
+    assert p["remote_page_tokens"] == result["prefill_engine"]["block_size"]
     assert matched == {"req-1": [TOKENS - prefix, True]}
     r = result["requests"]["req-1"]
     assert r["outcome"] == "loaded", result
     assert r["mismatched"] == [] and result["bad_blocks"] == []
     assert r["do_remote_prefill"] is False  # a preempted request would not load twice
     (stats,) = result["stats"]
-    assert stats["bytes_main"] + stats["bytes_indexer"] == moved_bytes(prefix)
-    assert stats["bytes_indexer"] == (-(-TOKENS // BLOCK) * BLOCK - prefix) * 4 * 132
+    assert stats["bytes_main"] + stats["bytes_indexer"] == moved_tokens(result, prefix) * MOVED_PER_TOKEN
+    assert stats["bytes_indexer"] == moved_tokens(result, prefix) * 4 * 132
     assert prefill.read()["freed"] == ["req-1"]
 
 
@@ -46,7 +53,8 @@ def test_mooncake_transport_through_the_connector(pd):
     r = result["requests"]["req-1"]
     assert r["outcome"] == "loaded", result
     assert r["mismatched"] == []
-    assert result["stats"][0]["bytes_main"] + result["stats"][0]["bytes_indexer"] == moved_bytes(256)
+    (stats,) = result["stats"]
+    assert stats["bytes_main"] + stats["bytes_indexer"] == moved_tokens(result, 256) * MOVED_PER_TOKEN
     assert prefill.read()["freed"] == ["req-1"]
 
 
@@ -57,7 +65,8 @@ def test_tp_mismatch_each_decode_rank_reads_one_whole_copy(pd, p_tp, d_tp):
     r = result["requests"]["req-1"]
     assert r["outcome"] == "loaded", result
     assert r["mismatched"] == []  # every decode rank's caches checked
-    assert [s["bytes_main"] + s["bytes_indexer"] for s in result["stats"]] == [moved_bytes(128)] * d_tp
+    per_rank = [s["bytes_main"] + s["bytes_indexer"] for s in result["stats"]]
+    assert per_rank == [moved_tokens(result, 128) * MOVED_PER_TOKEN] * d_tp
     assert prefill.read()["freed"] == ["req-1"]  # on every prefill rank, dummies included
 
 
@@ -122,4 +131,6 @@ def test_prefill_gone_fails_bounded(pd):
     prefill.close()
     decode = pd("kv_consumer", json.dumps(params), extra={"timeout_s": 3.0})
     decode.read()
+    start = time.monotonic()
     assert decode.read(timeout=60)["requests"]["req-1"]["outcome"] == "failed"
+    assert time.monotonic() - start < 15  # decode's 3 s timeout_s, not its 60 s default nor the 150 s wait

@@ -5,6 +5,7 @@ Test double: the engine's forward is the tiny model's (no GPU here); its caches 
 connector registers, in the real fp8_ds_mla and split indexer layouts, and move through GlmPdConnector."""
 
 import json
+import math
 
 import pytest
 
@@ -29,13 +30,13 @@ def reference(tiny_model: str) -> list[list[int]]:
 def run(pd, prefix: int, drop_indexer: bool = False) -> tuple[dict, dict]:
     rids = [f"e2e-{i}" for i in range(len(PROMPTS))]
     e2e = {"prompts": PROMPTS, "steps": STEPS, "seed": 3}
-    prefill = pd("kv_producer", block_size=16, num_blocks=160, requests=rids, e2e=e2e)
+    prefill = pd("kv_producer", block_size=16, pool_tokens=160 * 16, requests=rids, e2e=e2e)
     relay = prefill.read()
     decode = pd(
         "kv_consumer",
         json.dumps(relay),
         block_size=64,
-        num_blocks=48,
+        pool_tokens=48 * 64,
         requests=rids,
         prefix_tokens=prefix,
         e2e={**e2e, "drop_indexer": drop_indexer},
@@ -47,12 +48,13 @@ def run(pd, prefix: int, drop_indexer: bool = False) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("prefix", [0, 64])
 def test_tokens_equal_a_monolithic_run(pd, reference, prefix: int) -> None:
-    _, report = run(pd, prefix)
+    relay, report = run(pd, prefix)
     tokens = [report["requests"][f"e2e-{i}"]["tokens"] for i in range(len(PROMPTS))]
     assert all(report["requests"][f"e2e-{i}"]["loaded"] for i in range(len(PROMPTS)))
     assert tokens == reference
     stats = report["stats"][0]
-    moved = sum(-(-len(p) // 16) * 16 - prefix for p in PROMPTS)  # the suffix, in chunks of gcd(16, 64)
+    chunk = math.gcd(relay["engine"]["block_size"], report["engine"]["block_size"])  # what the engines chose
+    moved = sum(-(-len(p) // chunk) * chunk - prefix for p in PROMPTS)  # the suffix, in chunks of the gcd
     assert stats["bytes_main"] == moved * 7 * 656  # 6 target layers + MTP
     assert stats["bytes_indexer"] == moved * 4 * 132  # full layers 0-2 + MTP
 

@@ -1,0 +1,137 @@
+"""The prefill and decode services end to end in one process (real NIXL agents, real host caches):
+what each side keeps per peer and per request, and how a bad reply from a peer fails a load."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+from glm_pd_common.errors import TransferFailed
+from glm_pd_common.handoff import prefill_service
+from glm_pd_common.layout.plan import build_plan
+from tests.support.services import SEED, Decode, Prefill, wait_for
+
+IDLE = {"leases": 0, "early_claims": 0, "plans": 0, "decode_peers": 1, "transport_peers": 1}
+
+
+@pytest.mark.parametrize("same_name", [True, False], ids=["same-agent-name", "new-agent-name"])
+def test_a_decode_restarting_leaves_one_peer_on_prefill(small_spec, same_name) -> None:
+    """Each restart is a new process's agent on a new connection: prefill keeps the live one only, in its own
+    map and in its transport (before: one peer and one agent per restart, or a refused re-handshake)."""
+    prefill = Prefill(small_spec)
+    try:
+        for restart in range(4):
+            decode = Decode(small_spec, "decode-0" if same_name else f"decode-0-{restart}")
+            try:
+                result = decode.load(prefill, f"r{restart}", 3 * 64 - 5)
+                assert result.ok, result.reason
+                assert not decode.caches.mismatched_tokens(np.arange(3), 0, 3 * 64 - 5, seed=SEED)
+                assert prefill.finished(f"r{restart}", 5.0).outcome == "released"
+                held = wait_for(prefill.service.leftovers, lambda h: h == IDLE, 5.0)
+                assert held == IDLE, f"after restart {restart}"
+                assert prefill.local.transport.remote_peers() == [decode.local.transport.agent_name]
+                assert decode.service.leftovers() == {
+                    "queued": 0,
+                    "results": 0,
+                    "prefill_peers": 1,
+                    "transport_peers": 1,
+                    "lanes_assigned": 1,
+                }
+            finally:
+                decode.close()
+        gone = wait_for(prefill.service.leftovers, lambda h: h["decode_peers"] == 0, 5.0)
+        assert gone == {**IDLE, "decode_peers": 0, "transport_peers": 0}, "a silent decode is forgotten"
+    finally:
+        prefill.close()
+
+
+def test_an_idle_decode_is_kept_by_its_heartbeats_and_loads_again(small_spec) -> None:
+    """Silence past ``peer_idle_s`` forgets a peer; an idle live decode is not silent: its lanes heartbeat."""
+    prefill, decode = Prefill(small_spec, idle_s=0.6), Decode(small_spec, beat_s=0.1)
+    try:
+        assert decode.load(prefill, "first", 64).ok
+        time.sleep(2.0)  # more than three idle bounds
+        assert prefill.service.leftovers()["decode_peers"] == 1
+        result = decode.load(prefill, "second", 64)
+        assert result.ok, result.reason
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _short(pages: list[int]) -> list:
+    return pages[:-1]
+
+
+def _long(pages: list[int]) -> list:
+    return [*pages, 0]
+
+
+def _wrong_type(pages: list[int]) -> list:
+    return [str(p) for p in pages]
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        (_short, r"per-page digests for region \d+: 2 digests; the plan has \d+ regions of 3 destination pages"),
+        (_long, r"per-page digests for region \d+: 4 digests; the plan has \d+ regions of 3 destination pages"),
+        (_wrong_type, r"malformed 'page_digests' message: Expected `int`, got `str` - at `\$\.pages\["),
+    ],
+    ids=["short", "long", "wrong-type"],
+)
+def test_a_bad_page_digest_reply_fails_the_load_and_prefill_frees_at_once(small_spec, monkeypatch, tamper, reason):
+    """A corrupted load makes decode ask for per-page digests; prefill's reply is tampered with. The load
+    fails naming what was wrong, decode aborts, and prefill frees the pages now, not at lease expiry (60 s).
+    Before: a short or long list raised ValueError inside the load: no abort was sent."""
+    real = prefill_service.page_digests
+    monkeypatch.setattr(prefill_service, "page_digests", lambda *a: tamper(real(*a)))
+    prefill = Prefill(small_spec, lease_s=60.0)
+    decode = Decode(small_spec)
+    try:
+        result = decode.load(prefill, "bad-digests", 3 * 64, fault="corrupt")
+        assert not result.ok and result.states[-1] == "FAILED"
+        assert re.search(reason, result.reason), result.reason
+        ended = prefill.finished("bad-digests", 3.0)
+        assert ended is not None and ended.outcome == "aborted", "prefill still holds the pages"
+        assert prefill.service.leftovers()["leases"] == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_bytes_moved_are_the_transfers_that_completed(small_spec) -> None:
+    """A load's byte counts are the batches the transport reported done, counted here from the layout
+    (equal page sizes: whole pages, pages x page bytes per region); a batch that never completes counts 0."""
+    prefill, decode = Prefill(small_spec), Decode(small_spec)
+    try:
+        num_tokens, num_pages = 2 * 64 + 7, 3
+        result = decode.load(prefill, "bytes", num_tokens)
+        assert result.ok, result.reason
+        want = {"main": 0, "indexer": 0}
+        for region in decode.caches.regions:
+            want[region.kind] += region.page_bytes * num_pages
+        assert result.bytes_by_kind == want
+        transport = decode.local.transport
+        plan = build_plan(
+            prefill.caches.regions,
+            decode.caches.regions,
+            prefill.table[:num_pages],
+            np.arange(num_pages),
+            num_tokens=num_tokens,
+            prefix_tokens=0,
+        )
+        done = transport.post_plan("prefill-0", plan, "READ")
+        transport.wait(done, 10.0)
+        assert done.completed_bytes_by_kind == want
+        hung = transport.post_plan("prefill-0", plan, "READ")
+        hung.fault = "hang"
+        with pytest.raises(TransferFailed, match="did not complete"):
+            transport.wait(hung, 0.5)
+        assert hung.completed_bytes_by_kind == {}
+    finally:
+        decode.close()
+        prefill.close()

@@ -1,0 +1,92 @@
+"""A prefill service and decode services in one process, on real NIXL agents and real host caches.
+
+What the service tests drive: grants, loads, restarts and hostile replies, with the leftovers of both
+sides readable at any moment. TCP/shared memory is allowed: the test machines have no RDMA NIC.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.peer import Endpoint
+from glm_pd_common.handoff.prefill_service import Finished, PrefillService
+from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.hostmem import HostCaches
+from glm_pd_common.transport.base import TransportConfig, create_transport
+
+PAGE_TOKENS, NUM_PAGES, SEED = 64, 16, 5
+T = TypeVar("T")
+
+
+def endpoint(spec: CacheSpec, name: str, timeout_s: float) -> tuple[HostCaches, Endpoint]:
+    caches = HostCaches(spec, page_tokens=PAGE_TOKENS, num_pages=NUM_PAGES)
+    transport = create_transport(name, TransportConfig(allow_tcp=True, timeout_s=timeout_s))
+    transport.register(caches.regions)
+    return caches, Endpoint(name, spec, caches.regions, transport, PeerShape(PAGE_TOKENS, 1, 0))
+
+
+def wait_for(get: Callable[[], T], done: Callable[[T], bool], timeout_s: float) -> T:
+    """Poll ``get`` until ``done`` holds or the bound passes; returns the last value either way."""
+    deadline = time.monotonic() + timeout_s
+    value = get()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        value = get()
+    return value
+
+
+class Prefill:
+    """One prefill rank: its caches hold ``SEED`` content in every page; ``grant`` holds pages for decode."""
+
+    def __init__(self, spec: CacheSpec, *, lease_s: float = 60.0, timeout_s: float = 10.0, idle_s: float = 1.0) -> None:
+        self.caches, self.local = endpoint(spec, "prefill-0", timeout_s)
+        self.table = np.arange(NUM_PAGES, dtype=np.int64)[::-1].copy()
+        self.caches.write_tokens(self.table, 0, NUM_PAGES * PAGE_TOKENS, seed=SEED)
+        self.service = PrefillService(
+            self.local, host="127.0.0.1", port=0, lease_s=lease_s, timeout_s=timeout_s, peer_idle_s=idle_s
+        )
+        self.remote = RemotePrefill("prefill-0", "127.0.0.1", self.service.port, 1)
+        self.ended: list[Finished] = []
+
+    def finished(self, request_id: str, timeout_s: float) -> Finished | None:
+        """How ``request_id``'s lease ended, waiting at most ``timeout_s``."""
+
+        def get() -> Finished | None:
+            self.ended += self.service.finished()
+            return next((f for f in self.ended if f.request_id == request_id), None)
+
+        return wait_for(get, lambda f: f is not None, timeout_s)
+
+    def close(self) -> None:
+        self.service.close()
+        self.local.transport.close()
+
+
+class Decode:
+    """One decode rank (a process's worth: its own agent and caches); ``load`` pulls one request."""
+
+    def __init__(
+        self, spec: CacheSpec, name: str = "decode-0", *, timeout_s: float = 10.0, beat_s: float = 0.2
+    ) -> None:
+        self.caches, self.local = endpoint(spec, name, timeout_s)
+        self.service = DecodeService(self.local, timeout_s=timeout_s, verify_digests=True, heartbeat_s=beat_s)
+
+    def load(self, prefill: Prefill, request_id: str, num_tokens: int, fault: str = "") -> LoadResult:
+        pages = np.arange(NUM_PAGES, dtype=np.int64)
+        n_src = -(-num_tokens // PAGE_TOKENS)
+        prefill.service.grant(request_id, prefill.table[:n_src])
+        job = LoadJob(request_id, prefill.remote, prefill.table[:n_src], pages[:n_src], num_tokens, 0, fault=fault)
+        self.service.submit(job)
+        results = wait_for(self.service.results, bool, 30.0)
+        assert results, f"no result for {request_id} within 30 s"
+        return results[0]
+
+    def close(self) -> None:
+        self.service.close()
+        self.local.transport.close()
