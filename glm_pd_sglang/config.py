@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
@@ -32,7 +33,7 @@ class GlmPdSglangConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> GlmPdSglangConfig:
         env = os.environ if env is None else env
         known = {f.name.upper(): f for f in fields(cls)}
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # each parsed to its field's type by _parse
         for key, raw in env.items():
             if not key.startswith(PREFIX):
                 continue
@@ -40,7 +41,7 @@ class GlmPdSglangConfig:
             if name not in known:
                 raise ConfigError(f"unknown setting {key}; glm-pd reads {sorted(PREFIX + k for k in known)}")
             values[known[name].name] = _parse(key, raw, type(known[name].default))
-        config = cls(**values)  # type: ignore[arg-type]
+        config = cls(**values)
         if config.transport not in BACKENDS:
             raise ConfigError(f"{PREFIX}TRANSPORT must be one of {BACKENDS}, got {config.transport!r}")
         if config.timeout_s <= 0:

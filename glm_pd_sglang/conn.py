@@ -27,9 +27,10 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, 
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
-from glm_pd_common import checksum, protocol
 from glm_pd_common.errors import ConfigError, GlmPdError, PlanError, ProtocolError
+from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
+from glm_pd_common.layout import checksum
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.transport.base import Span, TransportConfig, create_transport
@@ -330,7 +331,7 @@ class GlmPdKVManager(CommonKVManager):
             try:
                 check_suffix(
                     m.decode_prefix_len,
-                    pages,  # type: ignore[arg-type]
+                    pages,
                     int_pages(m.dst_state_pages, what="decode DSA state page ids"),
                     self.caches.page_tokens,
                     side=f"decode {m.decode_ip}:{m.decode_port}",
@@ -346,7 +347,7 @@ class GlmPdKVManager(CommonKVManager):
             m.required_dst_info_num,
             pages,
             m.aux_index,
-            m.decode_prefix_len,  # type: ignore[arg-type]
+            m.decode_prefix_len,
         )
         infos = self.transfer_infos.setdefault(m.room, {})
         infos[m.agent_name] = target
@@ -415,7 +416,7 @@ class GlmPdKVManager(CommonKVManager):
         pages = int_pages(kv_indices, what="prefill page ids")
         with self._lock:
             self._staging_outstanding[bootstrap_room] += 1  # holds Success and any drain ACK until written
-        self._queue.put(_Chunk(bootstrap_room, pages.copy(), index_slice, is_last_chunk, aux_index, state))  # type: ignore[union-attr]
+        self._queue.put(_Chunk(bootstrap_room, pages.copy(), index_slice, is_last_chunk, aux_index, state))
 
     def _transfer_loop(self) -> None:
         while not self._stop.is_set():

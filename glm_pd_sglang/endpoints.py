@@ -58,13 +58,13 @@ class GlmPdKVReceiver(CommonKVReceiver):
         try:
             check_suffix(
                 int(decode_prefix_len or 0),
-                pages,  # type: ignore[arg-type]
+                pages,
                 int_pages(state, what="decode DSA state page ids"),
                 mgr.caches.page_tokens,
                 side="decode",
             )
             for region in mgr.caches.regions:
-                region.check_pages(pages, side="decode")  # type: ignore[arg-type]
+                region.check_pages(pages, side="decode")
         except GlmPdError as exc:
             mgr.record_failure(self.bootstrap_room, f"glm-pd refused room {self.bootstrap_room}: {exc}")
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)

@@ -20,7 +20,7 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.cache_dtypes import row_formats_by_backend
 from glm_pd_common.layout.formats import ROW_FORMATS, main_page_format, main_row_format
 from glm_pd_common.layout.geometry import ModelGeometry
-from glm_pd_common.layout.regions import MemKind, Region, plan_order
+from glm_pd_common.layout.regions import MemKind, Region, RegionKind, plan_order
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span
 
@@ -68,7 +68,7 @@ def rank_caches(
     page = int(kv_args.page_size)
     ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
     num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
-    if int(getattr(kv_args, "prefill_start_layer", 0) or 0) != 0 or getattr(kv_args, "pp_rank", 0):
+    if int(getattr(kv_args, "prefill_start_layer", 0) or 0) != 0 or int(getattr(kv_args, "pp_rank", 0) or 0) != 0:
         raise ConfigError("glm-pd does not support pipeline parallelism on the prefill side (pp_rank > 0)")
     if not ptrs or not len(ptrs) == len(lens) == len(items):
         raise ConfigError(f"KVArgs lists {len(ptrs)} KV pointers, {len(lens)} lengths, {len(items)} item lengths")
@@ -87,7 +87,7 @@ def rank_caches(
     spec = CacheSpec.create(geometry, row_format=row_name, scale_format=scale_format)
     main_fmt, idx_fmt = main_page_format(spec.row), spec.indexer.page_format
 
-    def region(kind: str, layer: int, ptr: int, data_len: int, item_len: int) -> Region:
+    def region(kind: RegionKind, layer: int, ptr: int, data_len: int, item_len: int) -> Region:
         fmt = main_fmt if kind == "main" else idx_fmt
         if item_len != fmt.page_bytes(page):
             raise ConfigError(
@@ -97,7 +97,7 @@ def rank_caches(
         if ptr <= 0 or data_len < item_len:
             raise ConfigError(f"{kind} buffer of layer {layer}: pointer {ptr:#x} / length {data_len} B unusable")
         return Region(
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             layer_id=layer,
             is_mtp=layer >= geometry.num_layers,
             base_addr=int(ptr),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -50,6 +51,10 @@ def check_suffix(
         )
 
 
+@overload
+def int_pages(values: Sequence[int] | np.ndarray, *, what: str) -> np.ndarray: ...
+@overload
+def int_pages(values: Sequence[int] | np.ndarray | None, *, what: str) -> np.ndarray | None: ...
 def int_pages(values: Sequence[int] | np.ndarray | None, *, what: str) -> np.ndarray | None:
     """Remote or engine page lists as int64, refusing non-integer input."""
     if values is None:

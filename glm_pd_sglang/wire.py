@@ -39,7 +39,7 @@ class _Header(msgspec.Struct):
     v: int
 
 
-class Registration(_Versioned):
+class Registration(_Versioned, frozen=True):
     hello: bytes  # glm_pd_common.handoff.protocol.Hello, encoded: fingerprint, shape, regions, transport metadata
     decode_ip: str
     decode_port: int
@@ -47,7 +47,7 @@ class Registration(_Versioned):
     aux: list[AuxBuffer]
 
 
-class Room(_Versioned):
+class Room(_Versioned, frozen=True):
     room: int
     agent_name: str
     decode_ip: str
@@ -60,12 +60,12 @@ class Room(_Versioned):
     is_dummy: bool
 
 
-class Refused(_Versioned):
+class Refused(_Versioned, frozen=True):
     prefill_rank: int
     reason: str
 
 
-class Digests(_Versioned):
+class Digests(_Versioned, frozen=True):
     room: int
     regions: list[str]
     digests: list[int]

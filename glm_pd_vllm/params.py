@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import msgspec
 from vllm.config import VllmConfig
@@ -24,7 +24,8 @@ from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_vllm.config import GlmPdVllmConfig
 
 MAX_BLOCKS = 1 << 22  # 4M blocks of 16 tokens: far past any context; more is hostile
-_MAX_BLOCK_ID = msgspec.inspect.type_info(PageId).le  # the wire's int64 bound: ids past it would overflow
+# the wire's int64 bound: ids past it would overflow
+_MAX_BLOCK_ID = cast(msgspec.inspect.IntType, msgspec.inspect.type_info(PageId)).le
 _HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}(\.[A-Za-z0-9][A-Za-z0-9_-]{0,62})*\.?")
 
 
@@ -133,7 +134,8 @@ def _refusal(params: dict[str, Any], message: str) -> ConfigError:
     at = _AT.fullmatch(message)
     if at is None:
         return ConfigError(f"kv_transfer_params: {message}")
-    key, value = at["key"], params.get(at["key"])
+    key = at["key"]
+    value: Any = params.get(key)  # msgspec named it, so it is there: a list when an index came with it
     if at["index"] is not None and key == "remote_block_ids":
         block = value[int(at["index"])]
         if type(block) is int:

@@ -119,16 +119,16 @@ def accept_hello(
         try:
             regions.append(
                 Region(
-                    kind=s.kind,
+                    kind=s.kind,  # type: ignore[arg-type]  # a wire str, matched against the geometry's kinds above
                     layer_id=s.layer_id,
                     is_mtp=s.layer_id >= g.num_layers,
-                    base_addr=s.base_addr,  # type: ignore[arg-type]
+                    base_addr=s.base_addr,
                     page_tokens=shape.page_tokens,
                     page_bytes=s.page_bytes,
                     page_stride=s.page_stride,
                     num_pages=s.num_pages,
                     page_format=formats[s.kind],
-                    mem_kind=s.mem_kind,  # type: ignore[arg-type]
+                    mem_kind=s.mem_kind,  # type: ignore[arg-type]  # a wire str, not narrowed to MemKind here
                     device_id=s.device_id,
                 )
             )

@@ -271,8 +271,8 @@ class PrefillService:
         decode = self._decodes.pop(ident, None)
         for key in [k for k in self._early_claims if k[1] == ident]:
             del self._early_claims[key]
-        for key in [k for k in self._plans if k[0] == ident]:
-            del self._plans[key]
+        for plan_key in [k for k in self._plans if k[0] == ident]:
+            del self._plans[plan_key]
         if decode is not None:
             self.local.transport.remove_peer(decode.agent)
             logger.info("glm-pd prefill: forgot decode %s: %s", decode.peer.engine_id, why)

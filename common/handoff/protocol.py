@@ -45,7 +45,7 @@ class RegionSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device_id: int = 0
 
 
-class Hello(_Base, tag="hello"):
+class Hello(_Base, tag="hello", frozen=True):
     engine_id: str
     fingerprint: Fingerprint
     shape: PeerShape
@@ -55,13 +55,13 @@ class Hello(_Base, tag="hello"):
     agent_metadata: bytes
 
 
-class Query(_Base, tag="query"):
+class Query(_Base, tag="query", frozen=True):
     """Ask a peer for its hello without becoming its peer (no transport metadata is loaded)."""
 
     engine_id: str
 
 
-class TransferRequest(_Base, tag="transfer"):
+class TransferRequest(_Base, tag="transfer", frozen=True):
     """Decode's ask: move these tokens; ``dst_pages`` are decode's suffix pages, ``src_pages`` prefill's."""
 
     request_id: str
@@ -72,7 +72,7 @@ class TransferRequest(_Base, tag="transfer"):
     verify: bool = False
 
 
-class Claimed(_Base, tag="claimed"):
+class Claimed(_Base, tag="claimed", frozen=True):
     """Prefill holds the pages until ``lease_s`` from now; ``digests`` are its per-region source digests."""
 
     request_id: str
@@ -80,41 +80,41 @@ class Claimed(_Base, tag="claimed"):
     digests: list[Digest] | None = None
 
 
-class Released(_Base, tag="released"):
+class Released(_Base, tag="released", frozen=True):
     """Prefill's answer to decode's done: the pages were still held when the read finished."""
 
     request_id: str
 
 
-class Done(_Base, tag="done"):
+class Done(_Base, tag="done", frozen=True):
     """Decode's read finished: may prefill confirm the pages were held until now (``Released``)?"""
 
     request_id: str
 
 
-class Failed(_Base, tag="failed"):
+class Failed(_Base, tag="failed", frozen=True):
     request_id: str
     reason: str
 
 
-class Abort(_Base, tag="abort"):
+class Abort(_Base, tag="abort", frozen=True):
     request_id: str
     reason: str
 
 
-class Heartbeat(_Base, tag="heartbeat"):
+class Heartbeat(_Base, tag="heartbeat", frozen=True):
     """Decode is alive (sent on an idle connection); prefill forgets a peer silent for too long."""
 
     engine_id: str
     seq: int
 
 
-class DigestQuery(_Base, tag="digest_query"):
+class DigestQuery(_Base, tag="digest_query", frozen=True):
     request_id: str
     region_indices: list[int]
 
 
-class PageDigests(_Base, tag="page_digests"):
+class PageDigests(_Base, tag="page_digests", frozen=True):
     request_id: str
     pages: dict[int, list[Digest]]  # region index -> one digest per destination page
 

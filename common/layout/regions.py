@@ -102,7 +102,7 @@ def build_regions(
             page_bytes = fmt.page_bytes(page_tokens)
             regions.append(
                 Region(
-                    kind=kind,  # type: ignore[arg-type]
+                    kind=kind,  # type: ignore[arg-type]  # "main" or "indexer": the two literals above
                     layer_id=layer,
                     is_mtp=is_mtp,
                     base_addr=addr,

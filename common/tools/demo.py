@@ -109,7 +109,7 @@ def _read_report(proc: subprocess.Popen, timeout_s: float) -> dict[str, Any]:
     box: list[dict[str, Any]] = []
 
     def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
+        for line in proc.stdout:  # type: ignore[union-attr]  # started with stdout=PIPE
             if line.startswith(MARK):
                 box.append(json.loads(line[len(MARK) :]))
                 return

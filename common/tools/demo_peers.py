@@ -152,7 +152,7 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
         )
     )
     deadline = time.monotonic() + 4 * job["timeout_s"]
-    results = []
+    results: list[LoadResult] = []
     while not results and time.monotonic() < deadline:
         results = service.results()
         time.sleep(0.005)

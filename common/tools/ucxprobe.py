@@ -52,7 +52,8 @@ def main() -> int:
         text=True,
     )
     try:
-        hello = next(json.loads(ln[5:]) for ln in peer.stdout if ln.startswith("PEER "))  # type: ignore[union-attr]
+        assert peer.stdin is not None and peer.stdout is not None  # both are PIPEs
+        hello = next(json.loads(ln[5:]) for ln in peer.stdout if ln.startswith("PEER "))
         buf = np.zeros(PROBE_BYTES, dtype=np.uint8)
         transport = create_transport("probe", TransportConfig(backend="nixl", allow_tcp=True, timeout_s=30))
         region = flat_region(buf)
@@ -62,13 +63,13 @@ def main() -> int:
         peer.stdin.write(
             json.dumps(
                 {
-                    "add_peer": base64.b64encode(transport.metadata()).decode(),  # type: ignore[union-attr]
+                    "add_peer": base64.b64encode(transport.metadata()).decode(),
                     "spans": [[region.kind, region.layer_id, region.base_addr, region.size_bytes]],
                 }
             )
             + "\n"
         )
-        peer.stdin.flush()  # type: ignore[union-attr]
+        peer.stdin.flush()
         remote = spans[-1]
         xfer = transport.post(
             agent, "READ", np.array([buf.ctypes.data]), np.array([remote.base_addr]), np.array([PROBE_BYTES])

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -76,7 +76,7 @@ class Transfer:
     num_runs: int
     num_bytes: int  # the descriptor lengths posted
     what: str
-    handle: object = None
+    handle: Any = None  # backend-specific (NIXL handles, a mooncake Future): each backend knows its own
     fault: str = ""  # test hook: "error" fails the next poll as a backend error would; "hang" never completes
     bytes_by_kind: dict[str, int] = field(default_factory=dict)  # posted descriptor lengths by region kind
     completed: bool = False  # set by ``poll`` once the backend reports the whole batch done

@@ -136,14 +136,14 @@ class MooncakeTransport(Transport):
         return self._notify_cls(self.agent_name, base64.b64encode(payload).decode())
 
     def _poll(self, xfer: Transfer) -> bool:
-        future: Future = xfer.handle  # type: ignore[assignment]
+        future: Future = xfer.handle
         if not future.done():
             return False
         future.result()  # re-raises the batch's TransferFailed
         return True
 
     def _release(self, xfer: Transfer) -> None:
-        future: Future = xfer.handle  # type: ignore[assignment]
+        future: Future = xfer.handle
         future.cancel()  # a running batch finishes on its own; the engine has no cancel
 
     def send_notif(self, peer: str, payload: bytes) -> None:

@@ -126,7 +126,7 @@ class NixlTransport(Transport):
         return state == "DONE"
 
     def _release(self, xfer: Transfer) -> None:
-        handle, local_h, remote_h = xfer.handle  # type: ignore[misc]
+        handle, local_h, remote_h = xfer.handle
         self._agent.release_xfer_handle(handle)
         self._agent.release_dlist_handle(local_h)
         self._agent.release_dlist_handle(remote_h)

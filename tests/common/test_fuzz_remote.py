@@ -73,7 +73,8 @@ def typed(t: mi.Type, name: str = "", *, mixed: bool = False) -> st.SearchStrate
             return ints
         lo, hi = t.ge, t.le
         in_range = ints.filter(lambda x: (lo is None or x >= lo) and (hi is None or x <= hi))
-        return st.one_of(st.integers(lo, hi), in_range)
+        # msgpack carries nothing past int64 below or uint64 above
+        return st.one_of(st.integers(INT64_MIN if lo is None else lo, UINT64_MAX if hi is None else hi), in_range)
     if isinstance(t, mi.BoolType):
         return st.booleans()
     if isinstance(t, mi.FloatType):

@@ -50,10 +50,10 @@ def test_a_decode_restarting_leaves_one_peer_on_prefill(small_spec, same_name) -
 
 def test_an_idle_decode_is_kept_by_its_heartbeats_and_loads_again(small_spec) -> None:
     """Silence past ``peer_idle_s`` forgets a peer; an idle live decode is not silent: its lanes heartbeat."""
-    prefill, decode = Prefill(small_spec, idle_s=0.6), Decode(small_spec, beat_s=0.1)
+    prefill, decode = Prefill(small_spec, idle_s=1.0), Decode(small_spec, beat_s=0.1)
     try:
         assert decode.load(prefill, "first", 64).ok
-        time.sleep(2.0)  # more than three idle bounds
+        time.sleep(3.5)  # more than three idle bounds
         assert prefill.service.leftovers()["decode_peers"] == 1
         result = decode.load(prefill, "second", 64)
         assert result.ok, result.reason

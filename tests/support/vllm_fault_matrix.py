@@ -30,7 +30,8 @@ LEASE_S, TIMEOUT_S = 3.0, 3.0  # short, so expiry cases settle in seconds
 STALL_S = TIMEOUT_S + 1.5  # longer than the lease and the transfer hold: each stall outlives what it races
 SETTLE_S = LEASE_S + TIMEOUT_S + 6  # every hold that could outlive a fault has ended by then
 _seeds = itertools.count(100)
-_SERVICE_STATE = ("leases", "early_claims", "plans", "inflight", "pending")  # per-request state in the services
+# per-request state the services and the connector keep: all 0 once every request has ended
+_SERVICE_STATE = ("leases", "early_claims", "plans", "queued", "results", "inflight", "pending")
 
 
 class Peer:
@@ -162,6 +163,12 @@ class Matrix:
         while True:
             p, d = self.prefill.status(), self.decode.status()
             left = {k: v for s in (p, d) for k, v in s.items() if k in _SERVICE_STATE and v}
+            # per-peer state: prefill keeps at most the one live decode (restarted ones are forgotten), and each
+            # side holds exactly one transport agent per peer it keeps
+            if p["decode_peers"] > 1 or p["transport_peers"] != p["decode_peers"]:
+                left["prefill peers/agents"] = (p["decode_peers"], p["transport_peers"])
+            if d["transport_peers"] != d["prefill_peers"]:
+                left["decode peers/agents"] = (d["prefill_peers"], d["transport_peers"])
             if (p["blocks_held"] == 0 and d["blocks_held"] == 0 and not left) or time.monotonic() > deadline:
                 break
             time.sleep(0.25)

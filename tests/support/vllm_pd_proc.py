@@ -46,6 +46,9 @@ from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import cache_spec
 
 SEED = 5
+# Decode's own prefix-cache hit holds other bytes than prefill's (a different seed): a read that strays into the
+# prefix overwrites them with prefill's and the check below sees it.
+PREFIX_SEED = SEED + 1000
 ENGINE: dict = {}  # what vLLM configured (set by Instance), sent with every report: tests never assume it
 
 
@@ -194,7 +197,7 @@ def run_decode(job: dict, params: list[dict]) -> None:
     for p, table in zip(params, tables(job, 2), strict=True):
         rid = p.get("remote_request_id", "r")
         for caches in inst.caches:
-            caches.write_tokens(table, 0, prefix, seed=SEED)  # the local prefix-cache hit
+            caches.write_tokens(table, 0, prefix, seed=PREFIX_SEED)  # the local prefix-cache hit
         req = request(rid, n, p)
         count, is_async = inst.scheduler.get_num_new_matched_tokens(req, prefix)
         matched[rid] = [count, is_async]
@@ -215,7 +218,12 @@ def run_decode(job: dict, params: list[dict]) -> None:
     for rid, (req, table, _) in reqs.items():
         out[rid] = {
             "outcome": "timeout" if rid in waiting - done else "failed" if rid in failed else "loaded",
-            "mismatched": [m for c in inst.caches for m in c.mismatched_tokens(table, 0, n, seed=SEED)][:5],
+            "mismatched": [
+                m
+                for c in inst.caches
+                for m in c.mismatched_tokens(table, 0, prefix, seed=PREFIX_SEED)
+                + c.mismatched_tokens(table, prefix, n, seed=SEED)
+            ][:5],
             "suffix_blocks": sorted(int(b) for b in table[prefix // bs :]),
             "do_remote_prefill": req.kv_transfer_params.get("do_remote_prefill"),
         }

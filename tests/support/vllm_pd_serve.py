@@ -34,6 +34,7 @@ from glm_pd_common.layout.pages import num_pages_for
 from tests.support.vllm_pd_proc import Instance, request
 
 _out = threading.Lock()
+PREFIX_SALT = 1000  # decode's prefix-hit bytes differ from prefill's
 
 
 def emit(obj: dict) -> None:
@@ -131,7 +132,8 @@ class Serving:
             emit({"event": "result", "rid": rid, "outcome": "refused", "reason": "block pool exhausted"})
             return
         for caches in self.inst.caches:
-            caches.write_tokens(blocks, 0, prefix, seed=cmd["seed"])  # the local prefix-cache hit
+            # the local prefix-cache hit, other bytes than prefill's: a read into the prefix would show
+            caches.write_tokens(blocks, 0, prefix, seed=cmd["seed"] + PREFIX_SALT)
         self.faults[rid] = cmd.get("fault", "")
         req = request(rid, n, params)
         t0 = time.monotonic()
@@ -142,7 +144,9 @@ class Serving:
             return
         table = KVCacheBlocks(([KVCacheBlock(int(b)) for b in blocks],))
         self.inst.scheduler.update_state_after_alloc(req, table, count)
-        self.loading[rid] = {"req": req, "blocks": blocks, "n": n, "seed": cmd["seed"], "t0": t0, "aborted": False}
+        self.loading[rid] = {
+            "req": req, "blocks": blocks, "n": n, "prefix": prefix, "seed": cmd["seed"], "t0": t0, "aborted": False
+        }  # fmt: skip
 
     def abort(self, cmd: dict) -> None:
         """A client disconnect or an abort: vLLM finishes the request; its blocks wait for the load to end."""
@@ -153,15 +157,18 @@ class Serving:
             self.inst.scheduler.request_finished_all_groups(state["req"], (state["blocks"].tolist(),))
 
     def status(self) -> dict:
+        """Blocks held, and every per-request and per-peer map the services keep (their ``leftovers``)."""
         workers = [w._worker for w in self.inst.workers]
-        prefill = [w.prefill for w in workers if w.prefill is not None]
+        services = [s for w in workers for s in (w.prefill, w.decode) if s is not None]
+        held: dict[str, int] = {}
+        for service in services:
+            for key, count in service.leftovers().items():
+                held[key] = held.get(key, 0) + count
         return {
             "event": "status",
             "blocks_held": self.job["num_blocks"] - len(self.free),
             "requests_held": len(self.held) + len(self.loading),
-            "leases": sum(len(p._leases) for p in prefill),
-            "early_claims": sum(len(p._early_claims) for p in prefill),
-            "plans": sum(len(p._plans) for p in prefill),
+            **held,
             "inflight": sum(len(w._inflight) for w in workers),
             "pending": len(self.inst.scheduler._scheduler._pending),
             "rss_kb": rss_kb(),
@@ -183,7 +190,13 @@ class Serving:
                 continue
             ok = rid not in failed
             blocks, n, seed = state["blocks"], state["n"], state["seed"]
-            bad = [m for c in self.inst.caches for m in c.mismatched_tokens(blocks, 0, n, seed=seed)]
+            p = state["prefix"]
+            bad = [
+                m
+                for c in self.inst.caches
+                for m in c.mismatched_tokens(blocks, 0, p, seed=seed + PREFIX_SALT)
+                + c.mismatched_tokens(blocks, p, n, seed=seed)
+            ]
             self.give_back(blocks, poison=False)
             emit({
                 "event": "result", "rid": rid, "outcome": "loaded" if ok else "failed", "aborted": state["aborted"],
