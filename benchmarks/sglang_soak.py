@@ -18,7 +18,8 @@ from collections import Counter
 from pathlib import Path
 
 from tests.support.emit import emit_rows
-from tests.support.sglang_pair import TINY_GLM, Pair
+from tests.support.sglang_pair import Pair
+from tests.support.tiny_glm import TINY_GLM
 
 FAULTS = {"fault": ["abort", "corrupt"], "prefill_fault": ["error", "abort"]}  # all must end Failed
 

@@ -102,7 +102,7 @@ class GlmPdKVManager(CommonKVManager):
         # verification (what a faulty link or a stray writer would leave behind).
         self.corrupt_next_room: int | None = None
         # Test hook: room -> "error" | "hang", applied to that room's first posted batch (common/transport).
-        self.transfer_faults: dict[int, str] = {}
+        self.test_transfer_faults: dict[int, str] = {}
         # Rooms prefill aborted whose decode ranks are told once no write of theirs is outstanding.
         self._prefill_aborts: dict[int, list[tuple[str, int]]] = {}
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -511,7 +511,7 @@ class GlmPdKVManager(CommonKVManager):
         page = self.caches.page_tokens
         plan = build_plan(mine, theirs, src, dst, num_tokens=first_token + src.size * page, prefix_tokens=first_token)
         xfer = self.transport.post_plan(t.agent_name, plan, "WRITE")
-        xfer.fault = self.transfer_faults.pop(room, "")
+        xfer.test_fault = self.test_transfer_faults.pop(room, "")
         self._wait(xfer)
         self._count(plan)
 

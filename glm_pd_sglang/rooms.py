@@ -9,10 +9,8 @@ from typing import overload
 import numpy as np
 
 from glm_pd_common.errors import PageOutOfRange, PlanError, ProtocolError
-from glm_pd_common.layout.pages import suffix_page_span
+from glm_pd_common.layout.pages import INT64_MAX, as_page_ids, suffix_page_span
 from glm_pd_common.transport.base import Span
-
-_INT64_MAX = (1 << 63) - 1  # run addresses are int64: a buffer reaching past this cannot be addressed
 
 
 @dataclass
@@ -36,7 +34,7 @@ def check_suffix(
     the main KV's suffix pages (SGLang indexes the indexer by the KV page ids)."""
     if prefix_tokens < 0:
         raise PlanError(f"{side}: decode prefix length {prefix_tokens} is negative")
-    if prefix_tokens + max(pages.size, 1) * page_tokens > _INT64_MAX:  # the plan's token math is int64
+    if prefix_tokens + max(pages.size, 1) * page_tokens > INT64_MAX:  # the plan's token math is int64
         raise PlanError(f"{side}: decode prefix length {prefix_tokens} with {pages.size} pages reaches past int64")
     # The same core rule the plan applies; any positive token count past the prefix checks the alignment.
     suffix_page_span(
@@ -56,24 +54,16 @@ def int_pages(values: Sequence[int] | np.ndarray, *, what: str) -> np.ndarray: .
 @overload
 def int_pages(values: Sequence[int] | np.ndarray | None, *, what: str) -> np.ndarray | None: ...
 def int_pages(values: Sequence[int] | np.ndarray | None, *, what: str) -> np.ndarray | None:
-    """Remote or engine page lists as int64, refusing non-integer input."""
+    """Remote or engine page lists as flat int64 through the core's one hostile-id parser, refusing the rest."""
     if values is None:
         return None
     try:
-        arr = np.asarray(values)
-    except (ValueError, OverflowError, TypeError) as exc:  # ragged, or an integer past 64 bits
+        arr = as_page_ids(values, side=what)  # an id past int64 is refused there, as sent
+    except (ValueError, OverflowError, TypeError) as exc:  # ragged
         raise ProtocolError(f"{what} are not a flat list of 64-bit integers: {exc}") from exc
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        # numpy widens ints past int64 mixed with others to float64/object: name the id, not the dtype
-        items = [] if isinstance(values, np.ndarray) else values
-        wide = [v for v in items if type(v) is int and not -_INT64_MAX - 1 <= v <= _INT64_MAX]
-        if wide:
-            raise ProtocolError(f"{what}: page id {wide[0]} does not fit in int64")
         raise ProtocolError(f"{what} are not integers (dtype {arr.dtype})")
-    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
-        # msgpack carries uint64; a cast would wrap such an id to a negative one instead of refusing it
-        raise ProtocolError(f"{what}: page id {int(arr.max())} does not fit in int64")
-    return arr.astype(np.int64, copy=False).reshape(-1)
+    return arr.reshape(-1)
 
 
 def check_aux(local_items: list[int], remote: Sequence[tuple[int, int, int]], *, peer: str) -> list[Span]:
@@ -87,7 +77,7 @@ def check_aux(local_items: list[int], remote: Sequence[tuple[int, int, int]], *,
         )
     spans = []
     for i, (ptr, data_len, item) in enumerate(remote):
-        if ptr <= 0 or data_len < item or item < 0 or ptr + data_len > _INT64_MAX:
+        if ptr <= 0 or data_len < item or item < 0 or ptr + data_len > INT64_MAX:
             raise ProtocolError(f"decode {peer} metadata buffer {i}: pointer {ptr:#x}, {data_len} B, item {item} B")
         spans.append(Span(f"decode aux[{i}]", ptr, data_len))
     return spans

@@ -18,7 +18,7 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, PageId
 from glm_pd_common.layout.cache_dtypes import row_format_for
 from glm_pd_common.layout.geometry import ModelGeometry
-from glm_pd_common.layout.pages import num_pages_for
+from glm_pd_common.layout.pages import INT64_MAX, num_pages_for
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_vllm.config import GlmPdVllmConfig
@@ -46,7 +46,7 @@ def _with_revision(geometry: ModelGeometry, revision: str) -> ModelGeometry:
 
 
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-Count = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]  # token math is int64
+Count = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]  # token math is int64
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 

@@ -54,7 +54,7 @@ class LoadJob:
     num_tokens: int
     prefix_tokens: int  # decode's local prefix hit (page-aligned): those pages stay
     read: bool = True  # False: nothing to read (all tokens hit locally), only release prefill's pages
-    fault: str = ""  # test hook, one of FAULTS ("kind" or "kind:seconds"); never set from remote input
+    test_fault: str = ""  # test hook, one of FAULTS ("kind" or "kind:seconds"); never set from remote input
     remote_request_id: str = ""  # prefill's id for the request, when the engines name it differently
     submitted_at: float = field(default_factory=time.monotonic)
 
@@ -64,7 +64,6 @@ class LoadJob:
 
 
 LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
-HEARTBEAT_S = 5.0  # an idle lane tells its prefill peers it is alive this often
 _MAX_REMEMBERED_ENGINES = 4096
 
 # Test hooks (the fault matrix and the demo): what each does to one load.
@@ -111,7 +110,7 @@ class DecodeService:
         timeout_s: float,
         verify_digests: bool,
         lanes: int = LANES,
-        heartbeat_s: float = HEARTBEAT_S,
+        heartbeat_s: float = protocol.HEARTBEAT_S,
     ) -> None:
         self.local = local
         self.timeout_s = timeout_s
@@ -222,13 +221,13 @@ class DecodeService:
                 mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
                 self._pull(peer, plan, result, job)
-                if job.fault == "corrupt":
+                if job.test_fault == "corrupt":
                     flip_byte(moved_byte(plan))
                 if claim.digests is not None:
                     self._verify(peer, plan, claim.digests, job.lease_id)
                 _stall(job, "stall_before_release")
                 mark("pull")
-            self._release(remote, group, job.lease_id, job.fault)
+            self._release(remote, group, job.lease_id, job.test_fault)
             mark("release")
             if job.read:
                 handoff.advance(HandoffState.SUCCESS)
@@ -274,8 +273,8 @@ class DecodeService:
                 if len(posted) == 1:
                     _stall(job, "stall_mid")
                 posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
-                if len(posted) == 1 and job.fault.startswith("transport_"):
-                    posted[0].fault = job.fault.removeprefix("transport_")
+                if len(posted) == 1 and job.test_fault.startswith("transport_"):
+                    posted[0].test_fault = job.test_fault.removeprefix("transport_")
             for xfer in posted:
                 self.local.transport.wait(xfer, self.timeout_s)
         finally:
@@ -392,7 +391,7 @@ def _hash_lane(engine: str, lanes: int) -> int:
 
 
 def _stall(job: LoadJob, kind: str) -> None:
-    name, _, seconds = job.fault.partition(":")
+    name, _, seconds = job.test_fault.partition(":")
     if name == kind:
         logger.warning("glm-pd test hook: %s stalls %s s (%s)", job.request_id, seconds, kind)
         time.sleep(float(seconds))

@@ -14,6 +14,7 @@ from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from glm_pd_common.layout.fingerprint import PeerShape, check_shape, require_match
 from glm_pd_common.layout.formats import main_page_format
+from glm_pd_common.layout.pages import INT64_MAX
 from glm_pd_common.layout.regions import Region, plan_order
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span, Transport
@@ -90,7 +91,7 @@ class PeerView:
         return [Span(r.name, r.base_addr, r.size_bytes, r.mem_kind, r.device_id) for r in self.regions]
 
 
-_ADDRESS_LIMIT = (1 << 63) - 1
+_ADDRESS_LIMIT = INT64_MAX
 
 
 def accept_hello(

@@ -66,8 +66,11 @@ class PrefillService:
     ) -> None:
         self.local = local
         self.timeout_s = timeout_s
-        # Past this silence a decode is gone: a live one heartbeats while idle, and claims within a lease.
-        self.peer_idle_s = lease_s + timeout_s if peer_idle_s is None else peer_idle_s
+        # Past this silence a decode is gone: a live one heartbeats while idle and claims within a lease. Three
+        # missed heartbeats at least, so a busy host's late beat never costs a live decode its next request.
+        if peer_idle_s is None:
+            peer_idle_s = max(lease_s + timeout_s, 3 * protocol.HEARTBEAT_S)
+        self.peer_idle_s = peer_idle_s
         self._next_idle_check = 0.0
         self.server = SideChannelServer(host, port)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
@@ -232,12 +235,7 @@ class PrefillService:
         digests = plan_digests(plan, "src") if msg.verify else None
         self.server.send(
             ident,
-            protocol.Claimed(
-                v=PROTOCOL_VERSION,
-                request_id=msg.request_id,
-                lease_s=self.timeout_s,
-                digests=digests,
-            ),
+            protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id, digests=digests),
         )
 
     def _on_done(self, ident: bytes, msg: protocol.Done) -> None:

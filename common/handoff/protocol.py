@@ -5,7 +5,7 @@ Version history:
   (decode's claim on a lease), claimed, done, released, failed, abort, heartbeat, digest query/reply.
 - 2: the hello's fingerprint carries a layout version in place of the protocol version; vLLM's
   ``kv_transfer_params`` and SGLang's backend messages carry this version too. Fields nobody read are gone
-  (transfer ``dst_engine_id``; done ``num_bytes``/``digests``; claimed ``num_bytes``); digests are typed
+  (transfer ``dst_engine_id``; done ``num_bytes``/``digests``; claimed ``num_bytes``/``lease_s``); digests are typed
   as uint64; decode sends heartbeats while idle, so prefill can forget a decode that went silent.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
@@ -20,12 +20,14 @@ import msgspec
 
 from glm_pd_common.errors import ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
+from glm_pd_common.layout.pages import INT64_MAX
 
 PROTOCOL_VERSION = 2  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
+HEARTBEAT_S = 5.0  # an idle decode lane says it is alive at least this often (a wire contract, as the messages)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
 # Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
-PageId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+PageId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Digest = Annotated[int, msgspec.Meta(ge=0)]  # xxh3-64: msgpack caps it at 2**64 - 1
 
 
@@ -73,10 +75,9 @@ class TransferRequest(_Base, tag="transfer", frozen=True):
 
 
 class Claimed(_Base, tag="claimed", frozen=True):
-    """Prefill holds the pages until ``lease_s`` from now; ``digests`` are its per-region source digests."""
+    """Prefill holds the pages until decode's done (or its timeout); ``digests`` are its per-region source digests."""
 
     request_id: str
-    lease_s: float
     digests: list[Digest] | None = None
 
 

@@ -120,7 +120,7 @@ def coalesce(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> tuple[np.
     return s[idx], d[idx], np.add.reduceat(n, idx)
 
 
-_INT64_MAX = (1 << 63) - 1
+INT64_MAX = (1 << 63) - 1  # the one bound: page ids, token counts and addresses are int64 everywhere
 
 
 def as_page_ids(pages: object, *, side: str) -> np.ndarray:
@@ -128,11 +128,11 @@ def as_page_ids(pages: object, *, side: str) -> np.ndarray:
     numpy would turn a list holding one into floats or objects, or wrap a uint64 array's into negatives.
     Only such hostile input is looked at element by element; a valid list converts in one numpy call."""
     ids = np.asarray(pages)
-    if ids.dtype == np.uint64 and ids.size and int(ids.max()) > _INT64_MAX:
+    if ids.dtype == np.uint64 and ids.size and int(ids.max()) > INT64_MAX:
         raise PageOutOfRange(f"{side} page id {int(ids.max())} is not a 64-bit page id")
     if ids.dtype.kind in "fO" and not isinstance(pages, np.ndarray):
         flat = np.ravel(np.asarray(pages, dtype=object))
-        big = next((p for p in flat if isinstance(p, int) and not -_INT64_MAX <= p <= _INT64_MAX), None)
+        big = next((p for p in flat if isinstance(p, int) and not -INT64_MAX <= p <= INT64_MAX), None)
         if big is not None:
             raise PageOutOfRange(f"{side} page id {big} is not a 64-bit page id")
     # non-integers pass through: each region's check refuses them, naming the region

@@ -148,7 +148,7 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
             table,
             n,
             prefix,
-            fault="corrupt" if job.get("inject_corruption") else "",
+            test_fault="corrupt" if job.get("inject_corruption") else "",
         )
     )
     deadline = time.monotonic() + 4 * job["timeout_s"]

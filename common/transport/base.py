@@ -77,7 +77,7 @@ class Transfer:
     num_bytes: int  # the descriptor lengths posted
     what: str
     handle: Any = None  # backend-specific (NIXL handles, a mooncake Future): each backend knows its own
-    fault: str = ""  # test hook: "error" fails the next poll as a backend error would; "hang" never completes
+    test_fault: str = ""  # test hook: "error" fails the next poll as a backend error would; "hang" never completes
     bytes_by_kind: dict[str, int] = field(default_factory=dict)  # posted descriptor lengths by region kind
     completed: bool = False  # set by ``poll`` once the backend reports the whole batch done
 
@@ -277,10 +277,10 @@ class Transport(abc.ABC):
         return xfer
 
     def poll(self, xfer: Transfer) -> bool:
-        if xfer.fault == "error":
+        if xfer.test_fault == "error":
             raise TransferFailed(f"{self.backend} {xfer.op} of {xfer.what} with peer {xfer.peer} failed (injected)")
         try:
-            done = self._poll(xfer) and xfer.fault != "hang"
+            done = self._poll(xfer) and xfer.test_fault != "hang"
         except TransferFailed:
             raise
         except Exception as exc:

@@ -5,7 +5,6 @@ SGLang 0.5.23), written out here, never read back from the table.
 """
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from glm_pd_common.layout.cache_dtypes import (
     row_formats_by_backend,
 )
 from glm_pd_common.layout.formats import main_row_format
-from glm_pd_common.layout.geometry import PRESETS, ModelGeometry
+from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.tools.cli import main
 from glm_pd_sglang.kvargs import row_format_name
 
@@ -114,14 +113,3 @@ def test_sglang_adapter_accepts_the_rows_sglang_allocates(row: int, name: str) -
 def test_sglang_adapter_refuses_rows_the_dtype_does_not_give(row: int, name: str) -> None:
     with pytest.raises(ConfigError, match="do not fit kv_cache_dtype"):
         row_format_name(64 * row, 64, name, GEOMETRY)
-
-
-@pytest.mark.parametrize(("key", "nbytes"), [(k, b) for k, b in DEFAULT_BACKEND_ROW_BYTES.items() if k[0] == "vllm"])
-def test_vllm_adapter_builds_the_same_row(key: tuple[str, str], nbytes: int) -> None:
-    params = pytest.importorskip("glm_pd_vllm.params", exc_type=ImportError)  # needs vLLM: runs in its venv
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=PRESETS["glm-5.3"]),
-        cache_config=SimpleNamespace(cache_dtype=key[1]),
-    )
-    config = SimpleNamespace(model_revision="", indexer_scale_format="fp32")
-    assert params.cache_spec(vllm_config, config).row.row_bytes == nbytes

@@ -174,7 +174,7 @@ def samples(spec: CacheSpec) -> list[proto.Message]:
         proto.TransferRequest(
             v=v, request_id="r", num_tokens=130, prefix_tokens=64, src_pages=[1, 2], dst_pages=[3, 0]
         ),
-        proto.Claimed(v=v, request_id="r", lease_s=30.0, digests=[1, UINT64_MAX]),
+        proto.Claimed(v=v, request_id="r", digests=[1, UINT64_MAX]),
         proto.Released(v=v, request_id="r"),
         proto.Done(v=v, request_id="r"),
         proto.Failed(v=v, request_id="r", reason="x"),

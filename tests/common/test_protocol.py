@@ -35,7 +35,7 @@ def _hello():
         _hello(),
         proto.TransferRequest(v=V, request_id="r", num_tokens=10, prefix_tokens=0, src_pages=[1], dst_pages=[2]),
         proto.Done(v=V, request_id="r"),
-        proto.Claimed(v=V, request_id="r", lease_s=30.0, digests=None),
+        proto.Claimed(v=V, request_id="r", digests=None),
         proto.Released(v=V, request_id="r"),
         proto.Query(v=V, engine_id="doctor"),
         proto.Failed(v=V, request_id="r", reason="x"),
@@ -63,7 +63,8 @@ def test_unknown_version_refused_before_shape():
         {"type": "nope", "v": V},
         {"type": "done", "v": V, "request_id": "r", "num_bytes": 1},  # a field of version 1, gone in 2
         {"type": "page_digests", "v": V, "request_id": "r", "pages": {0: [-1]}},  # digests are uint64
-        {"type": "claimed", "v": V, "request_id": "r", "lease_s": 1.0, "digests": [-5]},
+        {"type": "claimed", "v": V, "request_id": "r", "digests": [-5]},
+        {"type": "claimed", "v": V, "request_id": "r", "lease_s": 1.0},  # sent in version 1, never read: gone
         {
             "type": "transfer",
             "v": V,

@@ -128,7 +128,7 @@ def test_bytes_moved_are_the_transfers_that_completed(small_spec) -> None:
         transport.wait(done, 10.0)
         assert done.completed_bytes_by_kind == want
         hung = transport.post_plan("prefill-0", plan, "READ")
-        hung.fault = "hang"
+        hung.test_fault = "hang"
         with pytest.raises(TransferFailed, match="did not complete"):
             transport.wait(hung, 0.5)
         assert hung.completed_bytes_by_kind == {}

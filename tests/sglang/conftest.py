@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.sglang_pair import TINY_GLM, Pair
+from tests.support.sglang_pair import Pair
+from tests.support.tiny_glm import TINY_GLM
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,7 @@ class Decode:
         pages = np.arange(NUM_PAGES, dtype=np.int64)
         n_src = -(-num_tokens // PAGE_TOKENS)
         prefill.service.grant(request_id, prefill.table[:n_src])
-        job = LoadJob(request_id, prefill.remote, prefill.table[:n_src], pages[:n_src], num_tokens, 0, fault=fault)
+        job = LoadJob(request_id, prefill.remote, prefill.table[:n_src], pages[:n_src], num_tokens, 0, test_fault=fault)
         self.service.submit(job)
         results = wait_for(self.service.results, bool, 30.0)
         assert results, f"no result for {request_id} within 30 s"

@@ -204,7 +204,7 @@ def run_prefill(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[
         fault = req.get("prefill_fault")
         if fault in ("error", "hang"):
             for r in ranks:
-                r.mgr.transfer_faults[room] = fault
+                r.mgr.test_transfer_faults[room] = fault
         if fault == "abort" and min(states) == KVPoll.WaitingForInput:
             for s in senders:
                 s.abort()  # prefill's scheduler aborts the request before it computes
@@ -235,7 +235,7 @@ def run_prefill(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[
             if int(s.poll()) != KVPoll.Failed:
                 s.clear()
             r.give(table)  # the scheduler frees the request's pages either way
-            r.mgr.transfer_faults.pop(room, None)
+            r.mgr.test_transfer_faults.pop(room, None)
         results.append(out)
     return results
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from glm_pd_common.handoff.protocol import HEARTBEAT_S
 from tests.support.ports import free_port
 
 REPO = Path(__file__).parents[2]
@@ -29,6 +30,8 @@ BLOCK, POOL_TOKENS = 64, 96 * 64  # requested; the engine may choose another blo
 LEASE_S, TIMEOUT_S = 3.0, 3.0  # short, so expiry cases settle in seconds
 STALL_S = TIMEOUT_S + 1.5  # longer than the lease and the transfer hold: each stall outlives what it races
 SETTLE_S = LEASE_S + TIMEOUT_S + 6  # every hold that could outlive a fault has ended by then
+# a decode that died is forgotten by prefill after three missed heartbeats (or lease + timeout), checked each second
+PEER_SETTLE_S = max(LEASE_S + TIMEOUT_S, 3 * HEARTBEAT_S) + 2
 _seeds = itertools.count(100)
 # per-request state the services and the connector keep: all 0 once every request has ended
 _SERVICE_STATE = ("leases", "early_claims", "plans", "queued", "results", "inflight", "pending")
@@ -159,7 +162,7 @@ class Matrix:
     # -- settling --------------------------------------------------------------------------------
     def settled(self, row: Row) -> None:
         """Wait until both sides hold nothing (bounded), record what is left, then run the next request."""
-        deadline = time.monotonic() + SETTLE_S
+        deadline = time.monotonic() + max(SETTLE_S, PEER_SETTLE_S)
         while True:
             p, d = self.prefill.status(), self.decode.status()
             left = {k: v for s in (p, d) for k, v in s.items() if k in _SERVICE_STATE and v}

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tests.support.lines import LineReader
+from tests.support.tiny_glm import TINY_GLM
 
 REPO = Path(__file__).parents[2]
 
@@ -18,28 +19,7 @@ def make_tiny_model(path: Path, **overrides) -> str:
     """A GLM-5.x-style config (6 layers, full layers 0-2 by index_topk_freq 4 / offset 3, one MTP layer)."""
     from transformers import AutoConfig
 
-    fields = {
-        "num_hidden_layers": 6,
-        "hidden_size": 256,
-        "num_attention_heads": 4,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 128,
-        "qk_nope_head_dim": 64,
-        "v_head_dim": 64,
-        "index_head_dim": 128,
-        "index_n_heads": 2,
-        "index_topk": 64,
-        "index_topk_freq": 4,
-        "index_skip_topk_offset": 3,
-        "num_nextn_predict_layers": 1,
-        "vocab_size": 512,
-        "intermediate_size": 256,
-        "moe_intermediate_size": 64,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 4096,
-    }
+    fields = {k: v for k, v in TINY_GLM.items() if k not in ("architectures", "model_type")}
     fields.update(overrides)
     AutoConfig.for_model("glm_moe_dsa", **fields).save_pretrained(path)
     return str(path)

@@ -77,7 +77,7 @@ class Serving:
     # -- hooks around the decode service (test doubles for a router that injects faults) ---------
     def _with_fault(self, submit):
         def wrapped(job):
-            submit(dataclasses.replace(job, fault=self.faults.get(job.request_id, "")))
+            submit(dataclasses.replace(job, test_fault=self.faults.get(job.request_id, "")))
 
         return wrapped
 

@@ -1,0 +1,27 @@
+"""The tiny GLM-5.x config both engines' suites use: 6 layers, full indexer layers 0-2 (index_topk_freq 4,
+offset 3), shared layers 3-5, one MTP layer; shapes of GLM-5 (kv_lora_rank 512, rope 64, index_head_dim 128)."""
+
+TINY_GLM = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "num_hidden_layers": 6,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "index_head_dim": 128,
+    "index_n_heads": 2,
+    "index_topk": 64,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+    "num_nextn_predict_layers": 1,
+    "vocab_size": 512,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 4096,
+}
