@@ -1,6 +1,7 @@
 """Prefill and decode instances (separate processes) through GlmPdConnector's hooks, real NIXL on loopback."""
 
 import json
+import os
 import time
 
 import pytest
@@ -28,6 +29,15 @@ def moved_tokens(result, prefix):
     block = result["engine"]["block_size"]
     assert result["prefill_engine"]["block_size"] == block
     return -(-TOKENS // block) * block - prefix  # blocks are copied whole
+
+
+def test_the_harness_reports_what_vllm_configured(pd):
+    """Expectations read the engine's block size; under the no-AMX stand-in (tests/support/no_amx on
+    PYTHONPATH) vLLM must see no AMX, or that pass would silently repeat the native one."""
+    engine = pd("kv_producer").read()["engine"]
+    assert engine["block_size"] > 0 and engine["block_size"] % 16 == 0
+    if "no_amx" in os.environ.get("PYTHONPATH", ""):
+        assert engine["amx"] is False
 
 
 @pytest.mark.parametrize("prefix", [0, 384])
