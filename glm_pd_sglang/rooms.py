@@ -63,7 +63,7 @@ def int_pages(values: Sequence[int] | np.ndarray | None, *, what: str) -> np.nda
         raise ProtocolError(f"{what} are not a flat list of 64-bit integers: {exc}") from exc
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ProtocolError(f"{what} are not integers (dtype {arr.dtype})")
-    return arr.reshape(-1)
+    return arr.astype(np.int64, copy=False).reshape(-1)  # an empty list arrives as float64
 
 
 def check_aux(local_items: list[int], remote: Sequence[tuple[int, int, int]], *, peer: str) -> list[Span]:

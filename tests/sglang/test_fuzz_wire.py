@@ -257,7 +257,7 @@ def test_a_room_that_passes_check_suffix_plans_or_is_refused_with_glm_pd_errors(
         dst = int_pages(pages, what="decode page ids")
         dst_state = dst if state == "same" else int_pages(state, what="decode DSA state page ids")
         check_suffix(prefix, dst, dst_state, PAGE_TOKENS, side="decode 10.0.0.2:17001")  # type: ignore[arg-type]
-    except (ProtocolError, PlanError) as exc:
+    except (ProtocolError, PlanError, PageOutOfRange) as exc:  # an id past int64: the core parser's refusal
         assert str(exc)
         return
     assert prefix >= 0 and prefix % PAGE_TOKENS == 0 and dst_state is not None and np.array_equal(dst, dst_state)
