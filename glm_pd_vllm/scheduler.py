@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class LoadSpec:
     """One decode load, as the worker needs it (plain values: metadata crosses process boundaries)."""
 
-    request_id: str
+    request_id: str  # a load with ``read`` is reported to vLLM when it ends; a release-only one never is
     remote_request_id: str
     engine_id: str
     host: str
@@ -82,15 +82,14 @@ class GlmPdScheduler:
             logger.warning("GlmPdConnector: request %s: %s", request.request_id, error)
         self._pending[request.request_id] = (remote, num_computed_tokens, error)
         count = num_prompt - num_computed_tokens
-        if count <= 0:  # everything hit locally: nothing to read, but prefill must free its blocks
-            self._queue(request, [], read=False)
+        if count <= 0:  # everything hit locally: nothing to read; update_state_after_alloc releases prefill
             return 0, False
         return count, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if request.request_id not in self._pending:
             return
-        if num_external_tokens == 0:
+        if num_external_tokens == 0:  # a full local hit, or vLLM skipped the read (skip_reading_prefix_cache)
             self._queue(request, [], read=False)
             return
         self._queue(request, list(blocks.get_block_ids()[0]), read=True)

@@ -129,7 +129,8 @@ class GlmPdWorker:
             if load.error or self.decode is None:
                 self._failed_now.append((load, load.error or "this instance is not a kv_consumer"))
                 continue
-            self._inflight[load.request_id] = load.local_block_ids
+            if load.read:  # vLLM parks only a request whose load it was told of; a release-only job stays ours
+                self._inflight[load.request_id] = self._written_blocks(load)
             self.decode.submit(
                 LoadJob(
                     request_id=load.request_id,
@@ -157,15 +158,21 @@ class GlmPdWorker:
         failures = list(self._failed_now)
         self._failed_now.clear()
         for load, reason in failures:
+            logger.error("GlmPdConnector: load of %s failed: %s", load.request_id, reason)
+            if not load.read:
+                continue
             out.finished_recving.add(load.request_id)
             out.failed_recving.add(load.request_id)
-            self._load_errors.update(load.local_block_ids)
-            logger.error("GlmPdConnector: load of %s failed: %s", load.request_id, reason)
+            self._load_errors.update(self._written_blocks(load))
             self.stats.add("loads_failed", 1)
         if self.decode is not None:
             for result in self.decode.results():
+                if result.request_id not in self._inflight:  # a release-only job: vLLM never waited for it
+                    if not result.ok:
+                        logger.warning("GlmPdConnector: release of %s failed: %s", result.request_id, result.reason)
+                    continue
                 out.finished_recving.add(result.request_id)
-                blocks = self._inflight.pop(result.request_id, [])
+                blocks = self._inflight.pop(result.request_id)
                 if result.ok:
                     for kind, n in result.bytes_by_kind.items():
                         self.stats.add(f"bytes_{kind}", n)
@@ -178,6 +185,11 @@ class GlmPdWorker:
                     self.stats.add("loads_failed", 1)
                     logger.error("GlmPdConnector: load of %s failed: %s", result.request_id, result.reason)
         return out
+
+    def _written_blocks(self, load: LoadSpec) -> list[int]:
+        """The blocks a load writes: past decode's own prefix hit, which running requests may share. A failed
+        load reports only these, or vLLM would truncate (and by default fail) every request holding the hit."""
+        return load.local_block_ids[load.prefix_tokens // self.block_size :]
 
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -72,7 +72,7 @@ def vllm_config(job: dict, rank: int) -> VllmConfig:
         kv_role=job["role"],
         engine_id=job["engine_id"],
         kv_connector_extra_config=extra,
-        kv_load_failure_policy="fail",
+        kv_load_failure_policy=job.get("failure_policy", "fail"),
     )
     return VllmConfig(
         model_config=ModelConfig(model=job["model"], skip_tokenizer_init=True, enforce_eager=True),

@@ -1,0 +1,259 @@
+"""One vLLM engine in-process on CPU: vLLM's own ``Scheduler`` (with its KVCacheManager and block pool) drives
+``GlmPdConnector`` on the scheduler side and one connector per TP rank on the worker side, step by step as
+vLLM's EngineCore does (``has_requests`` -> ``schedule`` -> executor -> ``update_from_output``).
+
+Test double: the GPU forward alone (``Engine._forward``). It writes layout-valid KV bytes for the tokens the
+scheduler scheduled into the blocks the KVCacheManager gave the request, and samples a fixed token once a
+prompt is done. Around it, each rank's connector is called in the order vLLM's model runner calls it
+(``KVConnectorModelRunnerMixin._get_kv_connector_output``: bind, start_load_kv before or after the forward,
+wait_for_save, transfer results, load errors, stats, clear), and the ranks' outputs are merged by vLLM's own
+``KVOutputAggregator``. Ranks run in one thread (their services have threads of their own).
+
+KV bytes are a function of (content seed, token position): the driver gives each request its content as
+segments ``[(end, seed), ...]``, so two requests sharing a prefix share its bytes, as real KV does. A decode
+request's first forward checks every block it got (prefix hit and load) against those segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from glm_pd_common.tools.hostmem import HostCaches
+from glm_pd_vllm.config import GlmPdVllmConfig
+from glm_pd_vllm.params import cache_spec
+from tests.support.vllm_pd_proc import kv_caches, vllm_config
+
+SAMPLED = 7  # the token the forward double samples
+POISON = 0xA5  # a freed, uncached block is overwritten at once, as a busy engine reuses it
+
+
+@dataclass
+class Tracked:
+    """What the driver declared about one request, and what the forward double saw."""
+
+    segments: list[tuple[int, int]]  # [(end, seed)]: token bytes of [previous end, end) come from seed
+    checked: bool = False
+    table: list[int] = field(default_factory=list)  # its blocks at its first forward
+    mismatched: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    kv_transfer_params: dict | None = None
+
+
+class Engine:
+    """vLLM's scheduler and the connector's workers for one instance (prefill or decode)."""
+
+    def __init__(self, job: dict) -> None:
+        configs = [vllm_config(job, rank) for rank in range(job["tp"])]
+        config = configs[0]
+        self.block_size = config.cache_config.block_size  # what vLLM chose, not what was asked
+        self.num_blocks = job["pool_tokens"] // self.block_size
+        self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
+        spec = cache_spec(config, GlmPdVllmConfig.from_extra(config.kv_transfer_config.kv_connector_extra_config))
+        self.caches = [HostCaches(spec, page_tokens=self.block_size, num_pages=self.num_blocks) for _ in configs]
+        layers = list(kv_caches(self.caches[0]))
+        group = KVCacheGroupSpec(
+            layers,
+            MLAAttentionSpec(
+                block_size=self.block_size,
+                num_kv_heads=1,
+                head_size=spec.row.row_bytes,
+                dtype=torch.uint8,
+                cache_dtype_str=config.cache_config.cache_dtype,
+            ),
+        )
+        kv_cache_config = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=[group])
+        config.cache_config.num_gpu_blocks = self.num_blocks  # as EngineCore sets it after profiling
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=self.block_size,
+            log_stats=True,
+        )
+        self.connector = self.scheduler.connector
+        self.workers = [
+            KVConnectorFactory.create_connector(c, KVConnectorRole.WORKER, kv_cache_config) for c in configs
+        ]
+        for worker, caches in zip(self.workers, self.caches, strict=True):
+            worker.register_kv_caches(kv_caches(caches))
+        self.aggregator = KVOutputAggregator.from_connector(self.workers[0], len(self.workers))
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(self.block_size, hash_fn)
+        self.faults: dict[str, str] = {}  # request id -> a decode-service test hook (decode_service.FAULTS)
+        for worker in self.workers:
+            service = worker._worker.decode
+            if service is not None:
+                service.submit = self._with_fault(service.submit)
+        self.tracked: dict[str, Tracked] = {}
+        self.invalid_block_ids: set[int] = set()  # every id a worker reported, for the tests' account
+        self.reported_recving: list[str] = []  # every finished_recving a worker reported
+        self._owned: set[int] = set()
+
+    def _with_fault(self, submit):
+        def wrapped(job):
+            submit(dataclasses.replace(job, test_fault=self.faults.get(job.request_id, "")))
+
+        return wrapped
+
+    # -- the driver's side (what the API server hands EngineCore) ---------------------------------
+    def add(
+        self,
+        rid: str,
+        prompt: list[int],
+        segments: list[tuple[int, int]],
+        params: dict | None,
+        max_tokens: int = 1,
+        **sampling_args,
+    ) -> None:
+        sampling = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params}, **sampling_args
+        )
+        request = Request(rid, list(prompt), sampling, None, block_hasher=self._hasher)
+        self.tracked[rid] = Tracked(segments)
+        self.scheduler.add_request(request)
+
+    def abort(self, rid: str) -> None:
+        """A client disconnect: the API server asks EngineCore to abort the request."""
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+    # -- EngineCore.step ----------------------------------------------------------------------------
+    def step(self) -> bool:
+        if not self.scheduler.has_requests():
+            return False
+        out = self.scheduler.schedule()
+        runner_outputs = [self._rank_output(rank, out) for rank in range(len(self.workers))]
+        merged = self.aggregator.aggregate(runner_outputs, 0)
+        for core_outputs in self.scheduler.update_from_output(out, merged).values():
+            for o in core_outputs.outputs:
+                track = self.tracked.get(o.request_id)
+                if track is None:
+                    continue
+                track.tokens.extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    track.finish = str(o.finish_reason)
+                    track.kv_transfer_params = o.kv_transfer_params
+        self._poison_freed()
+        return True
+
+    def _rank_output(self, rank: int, out: SchedulerOutput) -> ModelRunnerOutput:
+        worker = self.workers[rank]
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        after = not getattr(out, "has_sync_kv_loads", False)
+        if not after:
+            worker.start_load_kv(None)
+        runner = self._forward(rank, out) if out.total_num_scheduled_tokens else ModelRunnerOutput([], {})
+        if after:
+            worker.start_load_kv(None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(out.finished_req_ids)
+        conn = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_stats=worker.get_kv_connector_stats(),
+        )
+        self.invalid_block_ids |= conn.invalid_block_ids
+        self.reported_recving.extend(results.finished_recving)
+        worker.clear_connector_metadata()
+        runner.kv_connector_output = conn
+        return runner
+
+    def _forward(self, rank: int, out: SchedulerOutput) -> ModelRunnerOutput:
+        caches = self.caches[rank]
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        ids, sampled = [], []
+        for rid, count in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[rid]
+            table = np.asarray(self.scheduler.kv_cache_manager.get_block_ids(rid)[0], dtype=np.int64)
+            start = starts[rid]
+            track = self.tracked[rid]
+            if rank == 0 and not track.checked:  # what the request holds before its first forward
+                track.checked = True
+                track.table = table.tolist()
+                track.mismatched = _mismatched(caches, table, track.segments, start)
+            _write(caches, table, track.segments, start, start + count, request.num_prompt_tokens)
+            ids.append(rid)
+            sampled.append([SAMPLED] if start + count >= request.num_tokens else [])
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled)  # fmt: skip
+
+    def _poison_freed(self) -> None:
+        manager = self.scheduler.kv_cache_manager
+        owned = {b for rid in self.scheduler.requests for b in manager.get_block_ids(rid)[0]}
+        pool = manager.block_pool
+        freed = [b for b in self._owned - owned if pool.blocks[b].block_hash is None]
+        self._owned = owned
+        if freed:
+            for caches in self.caches:
+                for buf in caches.buffers.values():
+                    buf[freed] = POISON
+
+    # -- vLLM's own state, for the tests ------------------------------------------------------------
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def idle(self) -> bool:
+        return not self.scheduler.requests and self.free_blocks() == self.num_blocks - 1  # block 0 is vLLM's null
+
+    def run(self, until, steps: int = 20000, pause_s: float = 0.002) -> None:
+        """Step until ``until()`` holds (loads and releases complete on service threads meanwhile)."""
+        for _ in range(steps):
+            if until():
+                return
+            if not self.step():
+                time.sleep(pause_s)
+            time.sleep(pause_s)
+        raise AssertionError(f"engine did not reach the state in {steps} steps: {self.state()}")
+
+    def state(self) -> dict:
+        return {
+            "requests": {rid: str(r.status) for rid, r in self.scheduler.requests.items()},
+            "free_blocks": self.free_blocks(),
+            "num_blocks": self.num_blocks,
+        }
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        self.connector.shutdown()
+
+
+def _segments(segments: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int, int]]:
+    out, prev = [], 0
+    for seg_end, seed in segments:
+        a, b = max(prev, start), min(seg_end, end)
+        if a < b:
+            out.append((a, b, seed))
+        prev = seg_end
+    return out
+
+
+def _write(caches: HostCaches, table: np.ndarray, segments, start: int, end: int, num_prompt: int) -> None:
+    for a, b, seed in _segments(segments, start, min(end, num_prompt)):
+        caches.write_tokens(table, a, b, seed=seed)
+
+
+def _mismatched(caches: HostCaches, table: np.ndarray, segments, upto: int) -> list[str]:
+    return [m for a, b, seed in _segments(segments, 0, upto) for m in caches.mismatched_tokens(table, a, b, seed=seed)]

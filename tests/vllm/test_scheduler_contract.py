@@ -1,0 +1,144 @@
+"""GlmPdConnector inside vLLM's own Scheduler and KVCacheManager (tests/support/vllm_engine.py), prefill and
+decode engines in one process with real NIXL between them: what vLLM itself does with the connector's reports.
+
+Each case asserts vLLM's state: its ``requests`` map, its block pool's free count, finish reasons and every token
+of the healthy neighbours."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.ports import free_port_range
+from tests.support.vllm_engine import Engine
+
+PROMPT = 300  # tokens: five blocks of 64, ten of 32, nineteen of 16
+STREAM = 40  # tokens a healthy neighbour generates
+
+
+@pytest.fixture
+def pair(tiny_model):
+    """Build a prefill and a decode engine (decode's pool sized in tokens); both are shut down at the end."""
+    made: list[Engine] = []
+
+    def build(decode_pool_tokens: int, **decode_job) -> tuple[Engine, Engine]:
+        port = free_port_range(8)
+        base = {"model": tiny_model, "block_size": 64, "tp": 1, "port": port, "lease_s": 30.0,
+                "module_path": "glm_pd_vllm.connector"}  # fmt: skip
+        prefill = Engine({**base, "role": "kv_producer", "engine_id": "P", "pool_tokens": 64 * 64})
+        made.append(prefill)
+        decode = Engine({**base, "role": "kv_consumer", "engine_id": "D", "pool_tokens": decode_pool_tokens,
+                         **decode_job})  # fmt: skip
+        made.append(decode)
+        return prefill, decode
+
+    yield build
+    for engine in made:
+        engine.shutdown()
+
+
+def both(prefill: Engine, decode: Engine, until, steps: int = 20000) -> None:
+    """Both engines' loops, as two servers run them side by side."""
+    decode.run(lambda: prefill.step() is not None and until(), steps)
+
+
+def prefilled(prefill: Engine, rid: str, prompt: list[int], segments: list[tuple[int, int]]) -> dict:
+    """The proxy's first leg: prefill computes the prompt and answers with decode's kv_transfer_params."""
+    prefill.add(rid, prompt, segments, {"do_remote_decode": True})
+    prefill.run(lambda: prefill.tracked[rid].finish is not None)
+    params = prefill.tracked[rid].kv_transfer_params
+    assert params and params["do_remote_prefill"], prefill.state()
+    return params
+
+
+def settled(prefill: Engine, decode: Engine) -> None:
+    both(prefill, decode, lambda: prefill.idle() and decode.idle())
+
+
+def test_an_abort_while_waiting_for_blocks_leaves_decode_serving(pair) -> None:
+    """Decode's cache is full with two running requests; a third waits for blocks and its client goes away. The
+    release that frees prefill's blocks must not be reported to vLLM as a finished load (before: vLLM's
+    ``assert req_id in self.requests`` ended the engine)."""
+    prefill, decode = pair(12 * 64)  # two requests of 5 blocks (+1 to decode) fill it: a third must wait
+    bs = decode.block_size
+    per_request = -(-(PROMPT + STREAM) // bs)
+    if 3 * per_request <= decode.num_blocks - 1:
+        pytest.skip(f"blocks of {bs}: a third request fits in {decode.num_blocks - 1} blocks")
+    prompts = {rid: list(range(seed, seed + PROMPT)) for seed, rid in enumerate("abc", start=1)}
+    params = {rid: prefilled(prefill, rid, p, [(PROMPT, i)]) for i, (rid, p) in enumerate(prompts.items())}
+    for i, rid in enumerate("ab"):
+        decode.add(rid, prompts[rid], [(PROMPT, i)], params[rid], max_tokens=STREAM)
+    both(prefill, decode, lambda: all(len(decode.tracked[r].tokens) > 2 for r in "ab"))
+    decode.add("c", prompts["c"], [(PROMPT, 2)], params["c"], max_tokens=STREAM)
+    for _ in range(5):
+        decode.step()
+    assert str(decode.scheduler.requests["c"].status) == "WAITING", decode.state()
+    decode.abort("c")
+    both(prefill, decode, lambda: all(decode.tracked[r].finish for r in "ab"))
+    for rid in "ab":
+        assert decode.tracked[rid].finish == "length" and len(decode.tracked[rid].tokens) == STREAM
+        assert decode.tracked[rid].mismatched == []
+    assert "c" not in decode.scheduler.requests
+    settled(prefill, decode)  # prefill freed c's blocks on decode's release; every pool is whole again
+
+
+def test_a_skipped_read_releases_prefill_without_a_load(pair) -> None:
+    """``skip_reading_prefix_cache``: vLLM discards the connector's count, allocates with no external tokens and
+    computes the prompt itself; the connector frees prefill's blocks and reports nothing."""
+    prefill, decode = pair(32 * 64)
+    prompt = list(range(1, PROMPT + 1))
+    params = prefilled(prefill, "s", prompt, [(PROMPT, 9)])
+    decode.add("s", prompt, [(PROMPT, 9)], params, max_tokens=4, skip_reading_prefix_cache=True)
+    both(prefill, decode, lambda: decode.tracked["s"].finish is not None)
+    assert decode.tracked["s"].finish == "length" and len(decode.tracked["s"].tokens) == 4
+    assert decode.invalid_block_ids == set()
+    settled(prefill, decode)
+    # the next request's steps carry whatever the worker still had to say about s: nothing, or vLLM asserts
+    nxt = list(range(7, PROMPT + 7))
+    decode.add("t", nxt, [(PROMPT, 10)], prefilled(prefill, "t", nxt, [(PROMPT, 10)]), max_tokens=4)
+    both(prefill, decode, lambda: decode.tracked["t"].finish is not None)
+    assert decode.tracked["t"].finish == "length" and decode.tracked["t"].mismatched == []
+    assert "s" not in decode.reported_recving, "vLLM never waited for a load of s: a report must not reach it"
+    settled(prefill, decode)
+
+
+def _shared_prefix(pair, policy: str) -> tuple[Engine, Engine, int]:
+    """A is loaded and streaming; B shares A's first blocks, decode hits them locally, and B's load fails."""
+    prefill, decode = pair(48 * 64, failure_policy=policy)
+    if not decode.prefix_caching:
+        pytest.skip("vLLM turned prefix caching off for MLA here (no AMX): decode has no hit to share")
+    bs = decode.block_size
+    shared = (PROMPT // 2) // bs * bs
+    a = list(range(1, PROMPT + 1))
+    b = a[:shared] + list(range(5000, 5000 + PROMPT - shared))
+    segs_a, segs_b = [(PROMPT, 1)], [(shared, 1), (PROMPT, 2)]  # the shared tokens' KV is the same bytes
+    pa, pb = prefilled(prefill, "A", a, segs_a), prefilled(prefill, "B", b, segs_b)
+    decode.add("A", a, segs_a, pa, max_tokens=STREAM)
+    both(prefill, decode, lambda: len(decode.tracked["A"].tokens) > 2)
+    decode.faults["B"] = "transport_error"
+    decode.add("B", b, segs_b, pb, max_tokens=4)
+    return prefill, decode, shared
+
+
+def test_a_failed_load_fails_only_its_own_request(pair) -> None:
+    """Only the blocks the load was writing are reported: the prefix hit B shares with the running A is not, so
+    vLLM leaves A alone (before: A was truncated and failed with B)."""
+    prefill, decode, shared = _shared_prefix(pair, "fail")
+    both(prefill, decode, lambda: decode.tracked["A"].finish is not None and decode.tracked["B"].finish is not None)
+    assert decode.tracked["B"].finish == "error", decode.tracked["B"]
+    a = decode.tracked["A"]
+    assert a.finish == "length" and len(a.tokens) == STREAM and a.mismatched == []
+    hit = set(a.table[: shared // decode.block_size])
+    assert decode.invalid_block_ids and not decode.invalid_block_ids & hit
+    settled(prefill, decode)
+
+
+def test_recompute_policy_computes_a_failed_suffix_locally(pair) -> None:
+    """``kv_load_failure_policy="recompute"``: vLLM recomputes B from its valid prefix and serves it in full."""
+    prefill, decode, shared = _shared_prefix(pair, "recompute")
+    both(prefill, decode, lambda: decode.tracked["A"].finish is not None and decode.tracked["B"].finish is not None)
+    for rid, n in (("A", STREAM), ("B", 4)):
+        track = decode.tracked[rid]
+        assert track.finish == "length" and len(track.tokens) == n and track.mismatched == [], (rid, track)
+    hit = set(decode.tracked["A"].table[: shared // decode.block_size])
+    assert decode.invalid_block_ids and not decode.invalid_block_ids & hit
+    settled(prefill, decode)
