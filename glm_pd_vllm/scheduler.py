@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def engine_port(vllm_config: VllmConfig, base: int) -> int:
+    """This engine's first side-channel port; TP rank r listens on it + r. Sibling data-parallel engines on one
+    node get the same base from one config, so each takes the next ``tp_size`` ports (vLLM has already made their
+    engine ids distinct, ``<id>_dp<rank>``)."""
+    parallel = vllm_config.parallel_config
+    return base + parallel.data_parallel_index * parallel.tensor_parallel_size
+
+
 @dataclass
 class LoadSpec:
     """One decode load, as the worker needs it (plain values: metadata crosses process boundaries)."""
@@ -59,6 +67,7 @@ class GlmPdScheduler:
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.port = engine_port(vllm_config, config.side_channel_port)
         kv = vllm_config.kv_transfer_config
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self._meta = GlmPdMetadata()
@@ -137,7 +146,7 @@ class GlmPdScheduler:
                 remote_engine_id=self.engine_id,
                 remote_request_id=request.request_id,
                 remote_host=self.config.side_channel_host,
-                remote_port=self.config.side_channel_port,
+                remote_port=self.port,
                 tp_size=self.tp_size,
                 remote_block_ids=blocks,
                 remote_num_tokens=request.num_computed_tokens,

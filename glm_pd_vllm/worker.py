@@ -24,7 +24,7 @@ from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
 from glm_pd_vllm.caches import regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.scheduler import GlmPdMetadata, LoadSpec
+from glm_pd_vllm.scheduler import GlmPdMetadata, LoadSpec, engine_port
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,6 +72,7 @@ class GlmPdWorker:
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank, self.tp_size = tp_rank_and_size(vllm_config)
+        self.port = engine_port(vllm_config, config.side_channel_port)
         kv = vllm_config.kv_transfer_config
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self.transport: Transport | None = None
@@ -102,7 +103,7 @@ class GlmPdWorker:
             self.prefill = PrefillService(
                 local,
                 host=self.config.side_channel_host,
-                port=self.config.side_channel_port + self.tp_rank,
+                port=self.port + self.tp_rank,
                 lease_s=self.config.lease_s,
                 timeout_s=self.config.timeout_s,
             )

@@ -77,7 +77,12 @@ def vllm_config(job: dict, rank: int) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(model=job["model"], skip_tokenizer_init=True, enforce_eager=True),
         cache_config=CacheConfig(block_size=job["block_size"], cache_dtype=job.get("cache_dtype", "fp8")),
-        parallel_config=ParallelConfig(tensor_parallel_size=job["tp"], rank=rank),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=job["tp"],
+            rank=rank,
+            data_parallel_size=job.get("dp_size", 1),
+            data_parallel_rank=job.get("dp_rank", 0),
+        ),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=kv,
     )

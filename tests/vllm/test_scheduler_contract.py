@@ -142,3 +142,37 @@ def test_recompute_policy_computes_a_failed_suffix_locally(pair) -> None:
     hit = set(decode.tracked["A"].table[: shared // decode.block_size])
     assert decode.invalid_block_ids and not decode.invalid_block_ids & hit
     settled(prefill, decode)
+
+
+def test_data_parallel_siblings_on_one_node_serve_their_own_requests(tiny_model) -> None:
+    """Two prefill engines of one DP group start from one config (same base port) on one node: each binds ports
+    of its own, and decode's load of each request lands the bytes of the engine that computed it."""
+    port = free_port_range(8)
+    base = {"model": tiny_model, "block_size": 64, "tp": 1, "port": port, "lease_s": 30.0, "dp_size": 2,
+            "module_path": "glm_pd_vllm.connector", "pool_tokens": 32 * 64}  # fmt: skip
+    engines = []
+    try:
+        for rank in range(2):  # vLLM names DP engines <id>_dp<rank> before the connector is built
+            engines.append(Engine({**base, "role": "kv_producer", "engine_id": f"P_dp{rank}", "dp_rank": rank}))
+        decode = Engine({**base, "role": "kv_consumer", "engine_id": "D", "dp_size": 1})
+        engines.append(decode)
+        siblings = engines[:2]
+        prompt = list(range(1, PROMPT + 1))
+        params = [prefilled(p, f"r{i}", prompt, [(PROMPT, 20 + i)]) for i, p in enumerate(siblings)]
+        assert params[0]["remote_port"] != params[1]["remote_port"]
+        for i, p in enumerate(params):
+            decode.add(f"r{i}", prompt, [(PROMPT, 20 + i)], p, max_tokens=2)
+
+        def step_all() -> bool:
+            for sibling in siblings:
+                sibling.step()
+            return all(decode.tracked[f"r{i}"].finish for i in range(2))
+
+        decode.run(step_all)
+        for i in range(2):
+            track = decode.tracked[f"r{i}"]
+            assert track.finish == "length" and track.mismatched == [], (i, track)
+        decode.run(lambda: all(s.step() is not None and s.idle() for s in siblings) and decode.idle())
+    finally:
+        for engine in engines:
+            engine.shutdown()
