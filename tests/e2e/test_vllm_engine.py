@@ -32,7 +32,7 @@ def moved(engines, tokens: int, hit: int = 0) -> int:
 def test_both_engines_report_what_they_configured(engines) -> None:
     """The harness reads block size and prefix caching from the engines; prefill and decode agree here."""
     prefill, decode = engines["configured"]["prefill"], engines["configured"]["decode"]
-    assert prefill["block_size"] == decode["block_size"] in (16, 32)
+    assert prefill["block_size"] == decode["block_size"] > 0
     assert prefill["prefix_caching"] == decode["prefix_caching"]
     if NO_AMX:  # the stand-in must take effect, or that pass would silently repeat the native one
         assert decode["block_size"] == 16 and decode["prefix_caching"] is False

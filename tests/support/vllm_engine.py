@@ -105,7 +105,8 @@ class Engine:
                 service.submit = self._with_fault(service.submit)
         self.tracked: dict[str, Tracked] = {}
         self.invalid_block_ids: set[int] = set()  # every id a worker reported, for the tests' account
-        self.reported_recving: list[str] = []  # every finished_recving a worker reported
+        self.reported_recving: list[str] = []  # every finished_recving vLLM's scheduler was given
+        self.reported_failed: set[str] = set()  # every failed_recving
         self._owned: set[int] = set()
 
     def _with_fault(self, submit):
@@ -142,6 +143,10 @@ class Engine:
         out = self.scheduler.schedule()
         runner_outputs = [self._rank_output(rank, out) for rank in range(len(self.workers))]
         merged = self.aggregator.aggregate(runner_outputs, 0)
+        conn = merged.kv_connector_output
+        if conn is not None:  # what vLLM's scheduler is told, once every rank has reported
+            self.reported_recving.extend(conn.finished_recving or ())
+            self.reported_failed |= conn.failed_recving
         for core_outputs in self.scheduler.update_from_output(out, merged).values():
             for o in core_outputs.outputs:
                 track = self.tracked.get(o.request_id)
@@ -173,7 +178,6 @@ class Engine:
             kv_connector_stats=worker.get_kv_connector_stats(),
         )
         self.invalid_block_ids |= conn.invalid_block_ids
-        self.reported_recving.extend(results.finished_recving)
         worker.clear_connector_metadata()
         runner.kv_connector_output = conn
         return runner

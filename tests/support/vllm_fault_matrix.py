@@ -1,7 +1,8 @@
-"""The fault matrix over GlmPdConnector: a prefill and a decode instance (``vllm_pd_serve`` processes, real
-NIXL on loopback), one fault per case, injected at one handoff state, then the dust settles and a clean
-request must succeed. Each case records: the faulted requests' final states and reasons, whether any output
-came from bad KV, the blocks each side still holds, whether the next request worked, and the time to detect.
+"""The fault matrix over GlmPdConnector: a prefill and a decode instance (``vllm_pd_serve`` processes: vLLM's own
+scheduler and block pool around the connector, real NIXL on loopback), one fault per case, injected at one
+handoff state, then the dust settles and a clean request must succeed. Each case records: the faulted requests'
+final states and reasons, whether any output came from bad KV, the blocks and requests each side's vLLM still
+holds, whether the next request worked, and the time to detect.
 
 Used by ``test_fault_matrix.py`` (asserts every row) and ``benchmarks/fault_matrix.py`` (table + JSON).
 """
@@ -34,7 +35,9 @@ SETTLE_S = LEASE_S + TIMEOUT_S + 6  # every hold that could outlive a fault has 
 PEER_SETTLE_S = max(LEASE_S + TIMEOUT_S, 3 * HEARTBEAT_S) + 2
 _seeds = itertools.count(100)
 # per-request state the services and the connector keep: all 0 once every request has ended
-_SERVICE_STATE = ("leases", "early_claims", "plans", "queued", "results", "inflight", "pending")
+_SERVICE_STATE = ("leases", "early_claims", "plans", "queued", "results", "inflight", "pending", "requests_held")
+# what vLLM finishes a request with, by the connector's report (an aborted one has no output at all)
+_FINISH = {"loaded": "length", "failed": "error", "no_load": "length"}
 
 
 class Peer:
@@ -179,6 +182,8 @@ class Matrix:
         row.service_state_left = left
         nxt = self.handoff(tokens=300, prefix=128)
         row.next_ok = nxt["outcome"] == "loaded" and not nxt["mismatched"]
+        if not row.next_ok:
+            row.error = row.error or f"the next request: {nxt}"
 
 
 Case = Callable[[Matrix, Row], None]
@@ -200,6 +205,11 @@ def _faulted(m: Matrix, row: Row, fault: str, *, act: Callable[[Matrix, str], No
 def _record(row: Row, res: dict) -> None:
     """What the connector reported for the request (finished_recving, failed_recving), never a harness flag."""
     outcome = res["outcome"]
+    finish = None if res["aborted"] else _FINISH[outcome]
+    if res["finish"] != finish:
+        row.error = f"{res['rid']}: vLLM finished it {res['finish']!r} after a {outcome} report (expected {finish!r})"
+    if res["aborted"] and res["served"]:
+        row.error = f"{res['rid']}: an aborted request produced output"
     row.outcomes.append(outcome)
     row.reasons.append(res.get("reason", ""))
     row.served_wrong |= bool(res.get("served_wrong"))
@@ -292,16 +302,6 @@ def case_duplicate_decode(m: Matrix, row: Row) -> None:
         _record(row, m.decode.wait("result", dup, timeout=TIMEOUT_S * 4))
 
 
-def case_duplicate_prefill(m: Matrix, row: Row) -> None:
-    """Two prefill requests under one id: neither may be served from blocks the other's free released."""
-    rid, seeds = m.rid(row.case), (next(_seeds), next(_seeds))
-    params = [m.prefill_leg(rid, row.tokens[0], s) for s in seeds]
-    for i, (p, s) in enumerate(zip(params, seeds, strict=True)):
-        m.decode_leg(f"{rid}-{i}", p, s, row.prefix)
-    for i in range(2):
-        _record(row, m.decode.wait("result", f"{rid}-{i}", timeout=TIMEOUT_S * 4))
-
-
 def case_retry_after_failure(m: Matrix, row: Row) -> None:
     """A load fails (a flipped byte); the router retries the same params: refused at once, nothing served.
     Then prefill runs again under the same request id: that new lease must be served."""
@@ -311,8 +311,9 @@ def case_retry_after_failure(m: Matrix, row: Row) -> None:
     _record(row, m.decode.wait("result", rid, timeout=TIMEOUT_S * 4))
     m.decode_leg(f"{rid}-retry", params, seed, row.prefix)
     _record(row, m.decode.wait("result", f"{rid}-retry", timeout=TIMEOUT_S * 4))
-    fresh = m.prefill_leg(rid, row.tokens[0], seed + 1)  # the router redoes prefill; the engine reuses the id
-    m.decode_leg(f"{rid}-again", fresh, seed + 1, row.prefix)
+    again = next(_seeds)  # the router redoes prefill; the engine reuses the id
+    fresh = m.prefill_leg(rid, row.tokens[0], again)
+    m.decode_leg(f"{rid}-again", fresh, again, row.prefix)
     _record(row, m.decode.wait("result", f"{rid}-again", timeout=TIMEOUT_S * 4))
 
 
@@ -364,7 +365,10 @@ def cases(other_layers_model: str, no_mtp_model: str) -> list[tuple[str, str, st
         ("decode abort", "before handshake", "expired at prefill", lease, case_decode_abort_before_handshake),
     ]
     # An aborted load is let finish (vLLM holds its blocks until the connector reports it) and is reported in
-    # finished_recving like any other: "loaded" is the connector's report, the request itself is never served.
+    # finished_recving like any other: "loaded" is the connector's report; vLLM's scheduler then frees the
+    # blocks of the finished request and never serves it (checked in _record).
+    # Two live prefill requests under one id cannot happen: vLLM's front end makes ids unique and its scheduler
+    # asserts on a duplicate; reuse of an id after the first ended is the "retry after failure" case.
     for state in ("waiting", "mid-transfer", "before release"):
         out.append(("decode abort / client disconnect", state, "loaded", STALL_S / 2 + 1.5, case_decode_abort(state)))
     out.append(("prefill abort", "before params", "no params", now, case_prefill_abort))
@@ -384,7 +388,6 @@ def cases(other_layers_model: str, no_mtp_model: str) -> list[tuple[str, str, st
         ("confirmation lost", "before release", "failed", timeout, case_hook("lose_release")),
         ("confirmation duplicated", "before release", "loaded", now, case_hook("duplicate_release")),
         ("duplicate request id at decode", "claim", "loaded,failed", now, case_duplicate_decode),
-        ("duplicate request id at prefill", "grant", "failed,failed", now, case_duplicate_prefill),
         ("retry after failure", "after failure", "failed,failed,loaded", now, case_retry_after_failure),
         ("fingerprint: indexer_scale_format", "handshake", "failed", now,
          case_fingerprint("indexer_scale_format", {"extra": {"indexer_scale_format": "ue8m0x4"}})),

@@ -1,22 +1,20 @@
-"""A long-lived vLLM instance's connector side, driven by commands: the fault matrix and the soak use it.
+"""A long-lived vLLM instance driven by commands: the fault matrix and the soak use it.
 
-The same real parts as ``vllm_pd_proc`` (a real ``VllmConfig``, ``GlmPdConnector`` scheduler and workers, real
-``Request`` objects, CPU tensors shaped as vLLM allocates them, NIXL or Mooncake on loopback), but serving
-requests one command at a time, with a block pool kept the way vLLM's allocator keeps it: a prefill
-request's blocks stay allocated until the connector reports it finished sending; a decode request's until it
-reports the load finished (failed or not, aborted or not: vLLM frees an aborted request's blocks only after
-its load ends). Freed prefill blocks are overwritten at once, as a busy engine reuses them, so a decode that
-read them after the free would hold wrong bytes, and the content check would see it.
-Test double: the model forward (no GPU): prefill writes layout-valid token bytes, decode checks them.
+The engine is ``tests.support.vllm_engine.Engine``: vLLM's own Scheduler, KVCacheManager and block pool around
+GlmPdConnector (scheduler side and worker side), NIXL or Mooncake on loopback. Only the GPU forward is a test
+double (see that module). A command becomes what the API server would hand EngineCore (add a request, abort
+it); the events are what vLLM itself did: a request's finish and its kv_transfer_params, the step its blocks
+went back to the pool, the connector's report of its load.
 
 Commands, one JSON object per stdin line: ``prefill`` {rid, tokens, seed, aborted?}, ``decode`` {rid,
 params, prefix, seed, fault?}, ``abort`` {rid}, ``status``, ``quit``. Events, ``PD {...}`` lines on stdout:
 ``params``, ``freed``, ``result``, ``stalled`` (a test hook paused a load), ``status``, ``ready``.
+A decode ``prefix`` is made a real prefix-cache hit: decode first computes those tokens itself (a plain request,
+its own bytes, not prefill's), when vLLM has prefix caching on; otherwise the request has no hit.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -25,16 +23,10 @@ import sys
 import threading
 import time
 
-import numpy as np
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.request import RequestStatus
-
-from glm_pd_common.layout.pages import num_pages_for
-from tests.support.vllm_pd_proc import Instance, request
+from tests.support.vllm_engine import Engine
 
 _out = threading.Lock()
-PREFIX_SALT = 1000  # decode's prefix-hit bytes differ from prefill's
+PREFIX_SALT = 1000  # decode's own prefix bytes differ from prefill's: a read that strays into them shows
 
 
 def emit(obj: dict) -> None:
@@ -57,29 +49,25 @@ def rss_kb() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
 
 
+def prompt_of(seed: int, n: int) -> list[int]:
+    """Token ids of one request: distinct per seed, so no request hits another's cached blocks by accident."""
+    return list(range(seed * 1_000_000, seed * 1_000_000 + n))
+
+
 class Serving:
     def __init__(self, job: dict) -> None:
-        self.job = job
-        self.inst = Instance(job)
-        self.bs = job["block_size"]
-        self.rng = np.random.default_rng(job.get("seed", 0))
-        self.free: set[int] = set(range(job["num_blocks"]))
-        self.held: dict[str, list[np.ndarray]] = {}
-        self.loading: dict[str, dict] = {}
-        self.faults: dict[str, str] = {}
+        self.engine = Engine(job)
+        self.bs = self.engine.block_size
+        self.prefilling: set[str] = set()  # running at prefill, params not out yet
+        self.held: set[str] = set()  # finished at prefill, blocks held for decode
+        self.warming: dict[str, dict] = {}  # decode's own prefix request -> the decode command waiting on it
+        self.loading: dict[str, dict] = {}  # decode requests vLLM holds
+        self.reports: dict[str, tuple[bool, float]] = {}  # what the connector reported: ok, when
         self.reasons: dict[str, str] = {}
-        for worker in self.inst.workers:
+        for worker in self.engine.workers:
             service = worker._worker.decode
             if service is not None:
-                service.submit = self._with_fault(service.submit)
                 service.results = self._recording(service.results)
-
-    # -- hooks around the decode service (test doubles for a router that injects faults) ---------
-    def _with_fault(self, submit):
-        def wrapped(job):
-            submit(dataclasses.replace(job, test_fault=self.faults.get(job.request_id, "")))
-
-        return wrapped
 
     def _recording(self, results):
         def wrapped():
@@ -90,75 +78,48 @@ class Serving:
 
         return wrapped
 
-    # -- the block pool --------------------------------------------------------------------------
-    def take(self, n: int) -> np.ndarray | None:
-        if len(self.free) < n:
-            return None
-        blocks = self.rng.choice(sorted(self.free), size=n, replace=False)
-        self.free.difference_update(int(b) for b in blocks)
-        return blocks
-
-    def give_back(self, blocks: np.ndarray, *, poison: bool) -> None:
-        if poison:  # another request's forward would overwrite them now
-            for caches in self.inst.caches:
-                for buf in caches.buffers.values():
-                    buf[blocks] = 0xA5
-        self.free.update(int(b) for b in blocks)
-
     # -- commands ----------------------------------------------------------------------------------
     def prefill(self, cmd: dict) -> None:
-        rid, n = cmd["rid"], cmd["tokens"]
-        blocks = self.take(num_pages_for(n, self.bs))
-        if blocks is None:
-            emit({"event": "params", "rid": rid, "params": None, "error": "block pool exhausted"})
+        rid, n, seed = cmd["rid"], cmd["tokens"], cmd["seed"]
+        if rid in self.engine.scheduler.requests:  # vLLM's front end makes ids unique; its scheduler asserts
+            emit({"event": "params", "rid": rid, "params": None, "error": "request id in use"})
             return
-        for caches in self.inst.caches:
-            caches.write_tokens(blocks, 0, n, seed=cmd["seed"])
-        req = request(rid, n, {"do_remote_decode": True})
-        req.num_computed_tokens = n
-        req.status = RequestStatus.FINISHED_ABORTED if cmd.get("aborted") else RequestStatus.FINISHED_LENGTH_CAPPED
-        delay, params = self.inst.scheduler.request_finished_all_groups(req, (blocks.tolist(),))
-        if delay:
-            self.held.setdefault(rid, []).append(blocks)
-        else:
-            self.give_back(blocks, poison=True)
-        emit({"event": "params", "rid": rid, "params": params, "t": time.monotonic()})
+        self.engine.add(rid, prompt_of(seed, n), [(n, seed)], {"do_remote_decode": True})
+        if cmd.get("aborted"):  # the client went away before prefill finished: no output, no params
+            self.engine.abort(rid)
+            emit({"event": "params", "rid": rid, "params": None, "t": time.monotonic()})
+            return
+        self.prefilling.add(rid)
 
     def decode(self, cmd: dict) -> None:
-        rid, params, prefix = cmd["rid"], cmd["params"], cmd.get("prefix", 0)
+        rid, params, prefix, seed = cmd["rid"], cmd["params"], cmd.get("prefix", 0), cmd["seed"]
         n = cmd.get("tokens") or params["remote_num_tokens"]
-        blocks = self.take(num_pages_for(n, self.bs))
-        if blocks is None:
-            emit({"event": "result", "rid": rid, "outcome": "refused", "reason": "block pool exhausted"})
-            return
-        for caches in self.inst.caches:
-            # the local prefix-cache hit, other bytes than prefill's: a read into the prefix would show
-            caches.write_tokens(blocks, 0, prefix, seed=cmd["seed"] + PREFIX_SALT)
-        self.faults[rid] = cmd.get("fault", "")
-        req = request(rid, n, params)
-        t0 = time.monotonic()
-        count, _ = self.inst.scheduler.get_num_new_matched_tokens(req, prefix)
-        if not count:
-            self.give_back(blocks, poison=False)
-            emit({"event": "result", "rid": rid, "outcome": "no_load", "t0": t0, "t": time.monotonic()})
-            return
-        table = KVCacheBlocks(([KVCacheBlock(int(b)) for b in blocks],))
-        self.inst.scheduler.update_state_after_alloc(req, table, count)
-        self.loading[rid] = {
-            "req": req, "blocks": blocks, "n": n, "prefix": prefix, "seed": cmd["seed"], "t0": t0, "aborted": False
-        }  # fmt: skip
+        cmd = {**cmd, "n": n, "t0": time.monotonic()}
+        if prefix and self.engine.prefix_caching:
+            warm = f"{rid}/own-prefix"
+            self.engine.add(warm, prompt_of(seed, prefix), [(prefix, seed + PREFIX_SALT)], None)
+            self.warming[warm] = cmd
+        else:
+            self._start_decode({**cmd, "prefix": 0})
+
+    def _start_decode(self, cmd: dict) -> None:
+        rid, n, prefix, seed = cmd["rid"], cmd["n"], cmd["prefix"], cmd["seed"]
+        segments = [(prefix, seed + PREFIX_SALT), (n, seed)] if prefix else [(n, seed)]
+        self.engine.faults[rid] = cmd.get("fault", "")
+        self.engine.add(rid, prompt_of(seed, n), segments, cmd["params"])
+        self.loading[rid] = {"t0": cmd["t0"], "aborted": False}
 
     def abort(self, cmd: dict) -> None:
-        """A client disconnect or an abort: vLLM finishes the request; its blocks wait for the load to end."""
+        """A client disconnect: vLLM finishes the request; its blocks wait for the load to end."""
         state = self.loading.get(cmd["rid"])
         if state is not None:
             state["aborted"] = True
-            state["req"].status = RequestStatus.FINISHED_ABORTED
-            self.inst.scheduler.request_finished_all_groups(state["req"], (state["blocks"].tolist(),))
+            self.engine.abort(cmd["rid"])
 
     def status(self) -> dict:
-        """Blocks held, and every per-request and per-peer map the services keep (their ``leftovers``)."""
-        workers = [w._worker for w in self.inst.workers]
+        """vLLM's own state (requests it holds, blocks out of its pool) and every per-request and per-peer map
+        the services keep (their ``leftovers``)."""
+        workers = [w._worker for w in self.engine.workers]
         services = [s for w in workers for s in (w.prefill, w.decode) if s is not None]
         held: dict[str, int] = {}
         for service in services:
@@ -166,43 +127,49 @@ class Serving:
                 held[key] = held.get(key, 0) + count
         return {
             "event": "status",
-            "blocks_held": self.job["num_blocks"] - len(self.free),
-            "requests_held": len(self.held) + len(self.loading),
+            "blocks_held": self.engine.num_blocks - 1 - self.engine.free_blocks(),  # block 0 is vLLM's null block
+            "requests_held": len(self.engine.scheduler.requests),
             **held,
             "inflight": sum(len(w._inflight) for w in workers),
-            "pending": len(self.inst.scheduler._scheduler._pending),
+            "pending": len(self.engine.connector._scheduler._pending),
             "rss_kb": rss_kb(),
         }
 
-    # -- the engine loop ---------------------------------------------------------------------------
+    # -- EngineCore's loop ---------------------------------------------------------------------------
     def step(self) -> None:
-        sent, received, failed, _ = self.inst.step()
+        before = len(self.engine.reported_recving)
+        self.engine.step()
         now = time.monotonic()
-        for rid in sent:
-            del self.inst.sent[rid]
-            for blocks in self.held.pop(rid, []):
-                self.give_back(blocks, poison=True)
+        for rid in self.engine.reported_recving[before:]:
+            self.reports[rid] = (rid not in self.engine.reported_failed, now)
+        live = self.engine.scheduler.requests
+        for rid in [r for r in self.prefilling if self.engine.tracked[r].finish is not None]:
+            self.prefilling.discard(rid)
+            params = self.engine.tracked[rid].kv_transfer_params
+            if params:
+                self.held.add(rid)
+            emit({"event": "params", "rid": rid, "params": params, "t": now})
+        for rid in [r for r in self.held if r not in live]:
+            self.held.discard(rid)
             emit({"event": "freed", "rid": rid, "t": now})
-        for rid in received:
-            del self.inst.received[rid]
-            state = self.loading.pop(rid, None)
-            if state is None:
-                continue
-            ok = rid not in failed
-            blocks, n, seed = state["blocks"], state["n"], state["seed"]
-            p = state["prefix"]
-            bad = [
-                m
-                for c in self.inst.caches
-                for m in c.mismatched_tokens(blocks, 0, p, seed=seed + PREFIX_SALT)
-                + c.mismatched_tokens(blocks, p, n, seed=seed)
-            ]
-            self.give_back(blocks, poison=False)
-            emit({
-                "event": "result", "rid": rid, "outcome": "loaded" if ok else "failed", "aborted": state["aborted"],
-                "served_wrong": ok and not state["aborted"] and bool(bad), "mismatched": len(bad),
-                "reason": self.reasons.pop(rid, ""), "t0": state["t0"], "t": now,
-            })  # fmt: skip
+        for warm in [w for w in self.warming if w not in live]:
+            self._start_decode(self.warming.pop(warm))
+        for rid in [r for r in self.loading if r not in live]:
+            self._result(rid, self.loading.pop(rid), now)
+        for rid in [r for r in self.engine.tracked if r not in live]:  # ended: nothing more to read about it
+            del self.engine.tracked[rid]
+
+    def _result(self, rid: str, state: dict, now: float) -> None:
+        track = self.engine.tracked[rid]
+        ok, t = self.reports.pop(rid, (None, now))
+        served = bool(track.tokens)
+        emit({
+            "event": "result", "rid": rid, "outcome": {True: "loaded", False: "failed", None: "no_load"}[ok],
+            "aborted": state["aborted"], "finish": track.finish, "served": served,
+            "served_wrong": served and bool(track.mismatched), "mismatched": len(track.mismatched),
+            "mismatched_at": track.mismatched[:3],
+            "reason": self.reasons.pop(rid, ""), "t0": state["t0"], "t": t,
+        })  # fmt: skip
 
 
 def main() -> None:
@@ -223,7 +190,7 @@ def main() -> None:
             while True:
                 cmd = commands.get_nowait()
                 if cmd is None or cmd["op"] == "quit":
-                    serving.inst.shutdown()
+                    serving.engine.shutdown()
                     return
                 if cmd["op"] == "status":
                     emit(serving.status())

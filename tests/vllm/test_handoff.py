@@ -35,7 +35,7 @@ def test_the_harness_reports_what_vllm_configured(pd):
     """Expectations read the engine's block size; under the no-AMX stand-in (tests/support/no_amx on
     PYTHONPATH) vLLM must see no AMX, or that pass would silently repeat the native one."""
     engine = pd("kv_producer").read()["engine"]
-    assert engine["block_size"] > 0 and engine["block_size"] % 16 == 0
+    assert engine["block_size"] > 0
     if "no_amx" in os.environ.get("PYTHONPATH", ""):
         assert engine["amx"] is False
 

@@ -176,3 +176,23 @@ def test_data_parallel_siblings_on_one_node_serve_their_own_requests(tiny_model)
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def test_a_hit_on_blocks_an_earlier_load_filled_loads_only_the_rest(pair) -> None:
+    """A second turn: B extends A's prompt; decode's prefix hit is the blocks A's load filled, and B's load must
+    land the rest of its prompt around them, byte for byte."""
+    prefill, decode = pair(48 * 64)
+    if not decode.prefix_caching:
+        pytest.skip("vLLM turned prefix caching off for MLA here (no AMX): decode has no hit")
+    first = 130
+    a = list(range(1, PROMPT + 1))
+    pa = prefilled(prefill, "A", a[:first], [(first, 3)])
+    decode.add("A", a[:first], [(first, 3)], pa, max_tokens=2)
+    both(prefill, decode, lambda: decode.tracked["A"].finish is not None)
+    pb = prefilled(prefill, "B", a, [(PROMPT, 3)])
+    decode.add("B", a, [(PROMPT, 3)], pb, max_tokens=2)
+    both(prefill, decode, lambda: decode.tracked["B"].finish is not None)
+    b = decode.tracked["B"]
+    assert b.finish == "length" and b.mismatched == [], b
+    assert set(decode.tracked["A"].table[: first // decode.block_size]) <= set(b.table), "B hit A's blocks"
+    settled(prefill, decode)
