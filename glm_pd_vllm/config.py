@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
 from glm_pd_common.transport.base import BACKENDS
 
 
@@ -20,7 +21,7 @@ class GlmPdVllmConfig:
     lease_s: float = 30.0  # prefill holds finished blocks this long for decode's claim
     timeout_s: float = 60.0  # bound on every handshake, claim and transfer wait
     verify_checksums: bool = False  # per-region xxh3 digests compared before a load counts
-    indexer_scale_format: str = "fp32"  # fp32 (SM90: H100/H200) | ue8m0x4 (SM100: B200)
+    indexer_scale_format: str = ""  # empty: what vLLM writes on the device; fp32 (SM90, CPU) | ue8m0x4 (SM10x)
     model_revision: str = ""  # checked between peers when both set it
 
     @classmethod
@@ -44,6 +45,11 @@ class GlmPdVllmConfig:
         if config.transport not in BACKENDS:
             raise ConfigError(
                 f"kv_connector_extra_config['transport'] must be one of {BACKENDS}, got {config.transport!r}"
+            )
+        if config.indexer_scale_format not in ("", *INDEXER_SCALE_FORMATS):
+            raise ConfigError(
+                f"kv_connector_extra_config['indexer_scale_format'] must be one of {INDEXER_SCALE_FORMATS} "
+                f"(or unset: from the device), got {config.indexer_scale_format!r}"
             )
         if config.lease_s <= 0 or config.timeout_s <= 0:
             raise ConfigError("kv_connector_extra_config lease_s and timeout_s must be positive")

@@ -23,6 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -76,15 +82,31 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # registered addresses must not move under a transfer
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
-        from glm_pd_vllm.worker import GlmPdStats
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        from glm_pd_vllm.stats import GlmPdStats
 
-        return GlmPdStats(data=dict(data)) if data is not None else GlmPdStats()
+        return GlmPdStats(data=data) if data is not None else GlmPdStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        from glm_pd_vllm.metrics import GlmPdPromMetrics
+
+        return GlmPdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -133,7 +155,7 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.block_ids_with_load_errors() if self._worker is not None else set()
 
-    def get_kv_connector_stats(self):
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import replace
 from typing import Annotated, Any, cast
 
 import msgspec
@@ -16,11 +17,12 @@ from vllm.config import VllmConfig
 
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, PageId
-from glm_pd_common.layout.cache_dtypes import row_format_for
+from glm_pd_common.layout.cache_dtypes import row_format_for, vllm_indexer_scale_format
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import INT64_MAX, num_pages_for
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import SUPPORTED_TP
+from glm_pd_vllm.caches import MAIN_CACHE
 from glm_pd_vllm.config import GlmPdVllmConfig
 
 MAX_BLOCKS = 1 << 22  # 4M blocks of 16 tokens: far past any context; more is hostile
@@ -30,19 +32,53 @@ _HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}(\.[A-Za-z0-9][A-Za-z0-9_
 
 
 def cache_spec(vllm_config: VllmConfig, config: GlmPdVllmConfig) -> CacheSpec:
-    """The core spec from vLLM's model config; the row for vLLM's cache dtype comes from ``cache_dtypes``."""
+    """The core spec from vLLM's config: the main row for vLLM's cache dtype under the attention backend vLLM
+    chose (``cache_dtypes``), the indexer scale format vLLM writes on this device (a configured value must
+    agree with it). The worker checks the cache tensors against it when it registers them."""
     hf = vllm_config.model_config.hf_config
     geometry = ModelGeometry.from_config(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
     if config.model_revision:
-        geometry = _with_revision(geometry, config.model_revision)
-    row_format = row_format_for("vllm", str(vllm_config.cache_config.cache_dtype))
-    return CacheSpec.create(geometry, row_format, config.indexer_scale_format)
+        geometry = replace(geometry, revision=config.model_revision)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    backend = attention_backend(vllm_config)
+    platform, capability = device_of(vllm_config)
+    scale_format = vllm_indexer_scale_format(platform, capability, config.indexer_scale_format)
+    where = f"CUDA SM{capability[0]}{capability[1]}" if capability else platform
+    origin = f"vLLM cache dtype {cache_dtype!r} under {backend or 'its default backend'} on {where}"
+    return CacheSpec.create(geometry, row_format_for("vllm", cache_dtype, backend), scale_format, origin=origin)
 
 
-def _with_revision(geometry: ModelGeometry, revision: str) -> ModelGeometry:
-    from dataclasses import replace
+def attention_backend(vllm_config: VllmConfig) -> str | None:
+    """The attention backend of the main MLA layers this process built (a worker builds them before its
+    connector), else the one selected with ``--attention-backend``; None when neither is known (vLLM's
+    engine-core process under a multiprocess executor builds no layers)."""
+    layers = vllm_config.compilation_config.static_forward_context
+    names = {
+        layer.attn_backend.get_name()
+        for name, layer in layers.items()
+        if MAIN_CACHE.match(name) and getattr(layer, "attn_backend", None) is not None
+    }
+    if len(names) > 1:
+        raise ConfigError(f"the main MLA layers run several attention backends {sorted(names)}; glm-pd needs one")
+    if names:
+        return names.pop()
+    selected = getattr(vllm_config.attention_config, "backend", None)
+    return None if selected is None else str(selected.name)
 
-    return replace(geometry, revision=revision)
+
+def device_of(vllm_config: VllmConfig) -> tuple[str, tuple[int, int] | None]:
+    """The device kind the caches live on (``cuda`` for NVIDIA, ``rocm``, ``cpu``, ...) and the CUDA compute
+    capability. It asks vLLM's platform (NVML), as vLLM's own indexer-scale rule does, so the engine-core
+    process stays without a CUDA context."""
+    from vllm.platforms import current_platform
+
+    kind = str(vllm_config.device_config.device_type)
+    if kind == "cuda" and current_platform.is_rocm():
+        return "rocm", None
+    if kind != "cuda":
+        return kind, None
+    capability = current_platform.get_device_capability()
+    return "cuda", None if capability is None else (capability.major, capability.minor)
 
 
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]

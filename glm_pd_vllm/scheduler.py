@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.request import RequestStatus
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.lease import renew_interval
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import KvTransferParams
 
@@ -56,9 +57,21 @@ class LoadSpec:
 
 
 @dataclass
+class Renewal:
+    """Decode asks one prefill engine to keep the leases of requests still waiting in vLLM's queue."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    remote_request_ids: list[str]
+
+
+@dataclass
 class GlmPdMetadata(KVConnectorMetadata):
     grants: dict[str, list[int]] = field(default_factory=dict)  # prefill: request id -> blocks to lease
     loads: list[LoadSpec] = field(default_factory=list)  # decode: loads to start
+    renewals: list[Renewal] = field(default_factory=list)  # decode: leases to keep while requests wait
 
 
 class GlmPdScheduler:
@@ -72,8 +85,33 @@ class GlmPdScheduler:
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self._meta = GlmPdMetadata()
         self._pending: dict[str, tuple[KvTransferParams | None, int, str]] = {}  # id -> (remote, prefix, error)
+        # decode: requests vLLM holds whose load has not started; prefill's leases are renewed for them
+        self._waiting: dict[str, KvTransferParams] = {}
+        self._renew_every = renew_interval(config.lease_s)  # prefill's lease_s: both sides share the config
+        self._next_renewal = time.monotonic() + self._renew_every
 
     # -- decode ---------------------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        """From arrival on, a request that waits in vLLM's queue (no free blocks yet) keeps prefill's lease."""
+        params = request.kv_transfer_params
+        if not self.is_consumer or not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        try:
+            self._waiting[request.request_id] = KvTransferParams.decode(params)
+        except ConfigError:
+            return  # get_num_new_matched_tokens fails the request with the reason
+
+    def _renewals(self) -> list[Renewal]:
+        now = time.monotonic()
+        if not self._waiting or now < self._next_renewal:
+            return []
+        self._next_renewal = now + self._renew_every
+        by_engine: dict[tuple[str, str, int, int], list[str]] = {}
+        for remote in self._waiting.values():
+            key = (remote.remote_engine_id, remote.remote_host, remote.remote_port, remote.tp_size)
+            by_engine.setdefault(key, []).append(remote.remote_request_id)
+        return [Renewal(*key, ids) for key, ids in by_engine.items()]
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not self.is_consumer or not isinstance(params, dict) or not params.get("do_remote_prefill"):
@@ -106,6 +144,7 @@ class GlmPdScheduler:
         request.kv_transfer_params["do_remote_prefill"] = False
 
     def _queue(self, request: Request, local_blocks: list[int], *, read: bool) -> None:
+        self._waiting.pop(request.request_id, None)
         remote, prefix, error = self._pending.pop(request.request_id)
         if remote is None:  # bad params: a read fails at once (the failure policy applies), nothing to free
             if read:
@@ -132,6 +171,10 @@ class GlmPdScheduler:
     # -- prefill --------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         if request.request_id in self._pending:  # decode: aborted before allocation; let prefill free
+            self._queue(request, [], read=False)
+        elif request.request_id in self._waiting:  # aborted before vLLM ever asked the connector
+            remote = self._waiting.pop(request.request_id)
+            self._pending[request.request_id] = (remote, 0, "")
             self._queue(request, [], read=False)
         params = request.kv_transfer_params
         if not self.is_producer or not params or not params.get("do_remote_decode"):
@@ -160,4 +203,5 @@ class GlmPdScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GlmPdMetadata:
         meta, self._meta = self._meta, GlmPdMetadata()
+        meta.renewals = self._renewals()
         return meta

@@ -8,23 +8,23 @@ has confirmed its blocks were held throughout.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, RemotePrefill
 from glm_pd_common.handoff.peer import Endpoint
 from glm_pd_common.handoff.prefill_service import PrefillService
 from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.layout.pages import block_pages
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
-from glm_pd_vllm.caches import regions_from_kv_caches
+from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.scheduler import GlmPdMetadata, LoadSpec, engine_port
+from glm_pd_vllm.stats import GlmPdStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,28 +41,20 @@ def tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
     return vllm_config.parallel_config.rank % size, size
 
 
-@dataclass
-class GlmPdStats(KVConnectorStats):
-    """Connector stats through vLLM's own hook: bytes by kind, runs, transfer seconds, failures."""
+class _OnDevice:
+    """A CUDA event queried from prefill's service thread under its own device, so that thread never opens a
+    context on GPU 0 (as a bare query would on a rank whose GPU is another)."""
 
-    data: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event, self.device = event, device
 
-    def reset(self) -> None:
-        self.data = {}
+    def query(self) -> bool:
+        with torch.cuda.device(self.device):
+            return bool(self.event.query())
 
-    def add(self, key: str, value: float) -> None:
-        self.data[key] = self.data.get(key, 0) + value
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            self.add(key, value)
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not self.data
+    def synchronize(self) -> None:
+        with torch.cuda.device(self.device):
+            self.event.synchronize()
 
 
 class GlmPdWorker:
@@ -85,6 +77,8 @@ class GlmPdWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         regions = regions_from_kv_caches(kv_caches, self.spec, self.block_size)
+        self.pages_per_block = pages_per_block(regions, self.block_size)  # vLLM's kernel blocks per block
+        self.device = next(iter(kv_caches.values())).device
         name = f"{self.engine_id}-tp{self.tp_rank}"
         self.transport = create_transport(
             name,
@@ -97,7 +91,11 @@ class GlmPdWorker:
         )
         self.transport.register(regions)
         local = Endpoint(
-            self.engine_id, self.spec, regions, self.transport, PeerShape(self.block_size, self.tp_size, self.tp_rank)
+            self.engine_id,
+            self.spec,
+            regions,
+            self.transport,
+            PeerShape(regions[0].page_tokens, self.tp_size, self.tp_rank, pages_per_block=self.pages_per_block),
         )
         if self.is_producer:
             self.prefill = PrefillService(
@@ -123,9 +121,14 @@ class GlmPdWorker:
         )
 
     def start_load_kv(self, meta: GlmPdMetadata) -> None:
+        ready = self._ready_event() if meta.grants else None
         for request_id, blocks in meta.grants.items():
             if self.prefill is not None:
-                self.prefill.grant(request_id, np.asarray(blocks, dtype=np.int64))
+                self.prefill.grant(request_id, block_pages(blocks, self.pages_per_block), ready=ready)
+        for renewal in meta.renewals:
+            if self.decode is not None:
+                remote = RemotePrefill(renewal.engine_id, renewal.host, renewal.port, renewal.tp_size)
+                self.decode.renew(remote, renewal.remote_request_ids)
         for load in meta.loads:
             if load.error or self.decode is None:
                 self._failed_now.append((load, load.error or "this instance is not a kv_consumer"))
@@ -137,7 +140,7 @@ class GlmPdWorker:
                     request_id=load.request_id,
                     remote=RemotePrefill(load.engine_id, load.host, load.port, load.tp_size),
                     remote_pages=np.asarray(load.remote_block_ids, dtype=np.int64),
-                    local_pages=np.asarray(load.local_block_ids, dtype=np.int64),
+                    local_pages=block_pages(load.local_block_ids, self.pages_per_block),
                     num_tokens=load.num_tokens,
                     prefix_tokens=load.prefix_tokens,
                     read=load.read,
@@ -146,12 +149,23 @@ class GlmPdWorker:
                 )
             )
 
+    def _ready_event(self) -> _OnDevice | None:
+        """Marks the GPU work queued so far on this device's stream: vLLM calls ``start_load_kv`` after the
+        step's forward is queued, so the event follows every write into a granted block (the forward that
+        finished the request and, with MTP, the drafter's writes of that step). Prefill answers decode's claim
+        only once it has completed. CPU caches are written synchronously: nothing to wait for."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return _OnDevice(event, self.device)
+
     def transfer_results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         if self.prefill is not None:
             for done in self.prefill.finished():
                 out.finished_sending.add(done.request_id)
-                self.stats.add(f"prefill_{done.outcome}", 1)
+                self.stats.prefill_outcome(done.outcome)
                 if done.outcome != "released":
                     logger.warning(
                         "GlmPdConnector: freed blocks of %s: %s %s", done.request_id, done.outcome, done.detail
@@ -165,7 +179,7 @@ class GlmPdWorker:
             out.finished_recving.add(load.request_id)
             out.failed_recving.add(load.request_id)
             self._load_errors.update(self._written_blocks(load))
-            self.stats.add("loads_failed", 1)
+            self.stats.failed("invalid_params" if load.error else "internal")
         if self.decode is not None:
             for result in self.decode.results():
                 if result.request_id not in self._inflight:  # a release-only job: vLLM never waited for it
@@ -175,15 +189,11 @@ class GlmPdWorker:
                 out.finished_recving.add(result.request_id)
                 blocks = self._inflight.pop(result.request_id)
                 if result.ok:
-                    for kind, n in result.bytes_by_kind.items():
-                        self.stats.add(f"bytes_{kind}", n)
-                    self.stats.add("runs", result.runs)
-                    self.stats.add("transfer_s", result.seconds)
-                    self.stats.add("loads_ok", 1)
+                    self.stats.loaded(result.seconds, result.bytes_by_kind, result.runs)
                 else:
                     out.failed_recving.add(result.request_id)
                     self._load_errors.update(blocks)
-                    self.stats.add("loads_failed", 1)
+                    self.stats.failed(result.code or "internal")
                     logger.error("GlmPdConnector: load of %s failed: %s", result.request_id, result.reason)
         return out
 

@@ -3,9 +3,15 @@
 Loads run on service threads, never on the engine's step. Each prefill engine gets a lane (a thread) of its
 own, up to ``LANES``, and its loads run there in order, so one hung or slow prefill delays only the loads
 that depend on it; its side-channel clients are touched only by that lane. The adapter submits
-``LoadJob``s and collects ``LoadResult``s.
+``LoadJob``s and collects ``LoadResult``s (``loads``, re-exported here).
 A load counts only after prefill confirms its pages were held until the read finished (``Released``);
-anything else fails the request, and prefill is told to free its pages.
+anything else fails the request, and prefill is told to free its pages. A failed ``LoadResult`` says why in
+``reason`` (for people) and ``code`` (one of ``FAILURE_CODES``, for metrics and policy): a lease that ran out
+is ``lease_expired``, apart from ``transport``, ``timeout`` and the rest.
+``renew`` keeps prefill's leases of requests that still wait for decode's blocks: the renewals go out on the
+lane of their prefill engine (its side-channel clients are that lane's alone) at the lane's next turn, or,
+while a load waits for an answer, to the ranks already connected. A transfer batch that hangs holds its
+lane's renewals until it times out; those renewals are for the same prefill, whose data path is then sick.
 """
 
 from __future__ import annotations
@@ -14,85 +20,31 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
-from glm_pd_common.errors import GlmPdError, ProtocolError
+from glm_pd_common.errors import ConfigError, GlmPdError, LayoutMismatch, ProtocolError
 from glm_pd_common.handoff import protocol
+from glm_pd_common.handoff.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.protocol import MAX_RENEW_IDS, PROTOCOL_VERSION
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.sidechannel import SideChannelClient
 from glm_pd_common.handoff.states import Handoff, HandoffState
 from glm_pd_common.layout.checksum import check_landed, flip_byte, moved_byte
-from glm_pd_common.layout.pages import suffix_pages
+from glm_pd_common.layout.pages import block_pages, suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.tp import release_group, source_rank
 from glm_pd_common.transport.base import Transfer
 
+__all__ = ["LANES", "DecodeService", "LoadJob", "LoadResult", "RemotePrefill"]  # the jobs live in ``loads``
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RemotePrefill:
-    """Where a request's prefill lives: its engine id, side-channel host, base port (rank r: +r), TP size."""
-
-    engine_id: str
-    host: str
-    base_port: int
-    tp_size: int
-
-
-@dataclass(frozen=True)
-class LoadJob:
-    request_id: str
-    remote: RemotePrefill
-    remote_pages: np.ndarray  # prefill's whole page table for the request
-    local_pages: np.ndarray  # decode's whole page table for the request
-    num_tokens: int
-    prefix_tokens: int  # decode's local prefix hit (page-aligned): those pages stay
-    read: bool = True  # False: nothing to read (all tokens hit locally), only release prefill's pages
-    test_fault: str = ""  # test hook, one of FAULTS ("kind" or "kind:seconds"); never set from remote input
-    remote_request_id: str = ""  # prefill's id for the request, when the engines name it differently
-    submitted_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def lease_id(self) -> str:
-        return self.remote_request_id or self.request_id
 
 
 LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
 _MAX_REMEMBERED_ENGINES = 4096
-
-# Test hooks (the fault matrix and the demo): what each does to one load.
-FAULTS = {
-    "corrupt": "flip one landed byte before verification",
-    "stall_before_claim": "wait N s after the handshake, before claiming the lease",
-    "stall_mid": "wait N s after posting the first layer's reads, before the others",
-    "stall_before_release": "wait N s after the reads (and verification), before confirming",
-    "transport_error": "the first batch fails as if the backend reported an error",
-    "transport_hang": "the first batch never reports completion",
-    "lose_release": "the confirmation is never sent (a lost message); its answer is still awaited",
-    "duplicate_release": "the confirmation is sent twice",
-}
-
-
-@dataclass
-class LoadResult:
-    request_id: str
-    ok: bool
-    reason: str = ""
-    states: list[str] = field(default_factory=list)
-    bytes_by_kind: dict[str, int] = field(default_factory=dict)
-    runs: int = 0
-    runs_by_kind: dict[str, int] = field(default_factory=dict)
-    batches: int = 0
-    seconds: float = 0.0
-    plan_ms: float = 0.0
-    pages: dict[str, int] = field(default_factory=dict)
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: queued, handshake, claim, pull, release
 
 
 @dataclass
@@ -100,6 +52,10 @@ class _Peer:
     client: SideChannelClient
     view: PeerView
     agent: str
+
+
+class _Wake:
+    """Put on a lane's queue so an idle lane sends its pending renewals now."""
 
 
 class DecodeService:
@@ -119,9 +75,13 @@ class DecodeService:
         self._beats = 0
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
-        self._lanes: list[queue.SimpleQueue[LoadJob | None]] = [queue.SimpleQueue() for _ in range(lanes)]
+        self._lanes: list[queue.SimpleQueue[LoadJob | _Wake | None]] = [queue.SimpleQueue() for _ in range(lanes)]
         self._lane_of: dict[str, int] = {}  # prefill engine id -> its lane, first come first served
+        # per lane: prefill -> lease ids to renew at the lane's next turn (under ``_lock``; merged, so a busy
+        # lane's backlog never grows past one set per prefill)
+        self._renewals: list[dict[RemotePrefill, set[str]]] = [{} for _ in range(lanes)]
         self._lock = threading.Lock()
+        self._here = threading.local()  # ``lane``: which lane the calling service thread is
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=f"glm-pd-decode-{local.engine_id}-{i}", daemon=True)
             for i in range(lanes)
@@ -131,17 +91,25 @@ class DecodeService:
 
     # -- engine-facing, thread-safe ---------------------------------------------------------------
     def submit(self, job: LoadJob) -> None:
-        engine = job.remote.engine_id
         with self._lock:
-            lane = self._lane_of.get(engine)
-            if lane is None:
-                # Engine ids come from remote params: past the cap, lanes are picked by hash, not remembered.
-                lane = len(self._lane_of) % len(self._lanes)
-                if len(self._lane_of) < _MAX_REMEMBERED_ENGINES:
-                    self._lane_of[engine] = lane
-                else:
-                    lane = _hash_lane(engine, len(self._lanes))
+            lane = self._lane_for(job.remote.engine_id)
         self._lanes[lane].put(job)
+
+    def renew(self, remote: RemotePrefill, remote_request_ids: list[str]) -> None:
+        """Keep prefill's leases of these requests (prefill's ids) while they wait for decode's blocks: call it
+        every ``lease.renew_interval(lease_s)``. Returns at once; the lane of ``remote`` sends one batch to
+        each prefill rank this rank releases (``release_group``), handshaking first if needed. A rank that
+        cannot be reached is logged, and its leases are left to expire (the load then fails as
+        ``lease_expired``); nothing is raised here."""
+        if not remote_request_ids:
+            return
+        with self._lock:
+            lane = self._lane_for(remote.engine_id)
+            pending = self._renewals[lane]
+            wake = not pending
+            pending.setdefault(remote, set()).update(remote_request_ids)
+        if wake:
+            self._lanes[lane].put(_Wake())
 
     def results(self) -> list[LoadResult]:
         return drain(self._results)
@@ -172,7 +140,9 @@ class DecodeService:
     # -- the service thread -----------------------------------------------------------------------
     def _run(self, lane: int) -> None:
         jobs = self._lanes[lane]
+        self._here.lane = lane
         while True:
+            self._send_renewals(lane)  # before each load: a renewal never waits behind a backlog of loads
             try:
                 job = jobs.get(timeout=self.heartbeat_s)
             except queue.Empty:
@@ -183,27 +153,61 @@ class DecodeService:
                 continue
             if job is None:
                 return
+            if isinstance(job, _Wake):
+                continue
             try:
                 self._results.put(self._load(job))
             except Exception as exc:  # a bug must fail one request, never wedge the engine
                 logger.exception("glm-pd decode: load of %s crashed", job.request_id)
-                self._results.put(LoadResult(job.request_id, False, f"internal error: {exc!r}"))
+                self._results.put(LoadResult(job.request_id, False, f"internal error: {exc!r}", "internal"))
+
+    def _send_renewals(self, lane: int, *, connect: bool = True) -> None:
+        """Send this lane's pending renewals, one batch per prefill rank. ``connect=False`` (inside a load's
+        wait): only to prefills whose ranks are all connected; the others wait for the lane's next turn."""
+        with self._lock:
+            pending, self._renewals[lane] = self._renewals[lane], {}
+        for remote, ids in pending.items():
+            batch = sorted(ids)
+            try:
+                ranks = release_group(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
+            except ConfigError as exc:
+                logger.warning("glm-pd decode: cannot renew %d lease(s) on %s: %s", len(batch), remote.engine_id, exc)
+                continue
+            if not connect and any((remote.engine_id, rank) not in self._peers for rank in ranks):
+                with self._lock:
+                    self._renewals[lane].setdefault(remote, set()).update(ids)
+                continue
+            for rank in ranks:
+                try:
+                    peer = self._peer(remote, rank)
+                    for start in range(0, len(batch), MAX_RENEW_IDS):
+                        chunk = batch[start : start + MAX_RENEW_IDS]
+                        peer.client.send(protocol.Renew(v=PROTOCOL_VERSION, request_ids=chunk))
+                except Exception as exc:  # the lease then expires on its own: the load reports lease_expired
+                    logger.warning(
+                        "glm-pd decode: could not renew %d lease(s) on prefill %s rank %d (they may expire): %s",
+                        len(batch),
+                        remote.engine_id,
+                        rank,
+                        exc,
+                    )
 
     def _load(self, job: LoadJob) -> LoadResult:
         handoff = Handoff(job.request_id)
         result = LoadResult(job.request_id, ok=False)
         remote = job.remote
-        group = release_group(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
-        mark = _Phases(result.phases, job.submitted_at)
+        group: list[int] = []  # stays empty if the params name a TP shape we cannot pair with: no one to tell
+        mark = Phases(result.phases, job.submitted_at)
         mark("queued")
         try:
+            group = release_group(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
             if job.read:
                 src_rank = source_rank(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
                 peer = self._peer(remote, src_rank)
                 mark("handshake")
                 handoff.advance(HandoffState.WAITING_FOR_INPUT)
                 plan = self._plan(job, peer.view, result)
-                _stall(job, "stall_before_claim")
+                stall(job, "stall_before_claim")
                 claim = self._ask(
                     peer,
                     protocol.TransferRequest(
@@ -225,7 +229,7 @@ class DecodeService:
                     flip_byte(moved_byte(plan))
                 if claim.digests is not None:
                     self._verify(peer, plan, claim.digests, job.lease_id)
-                _stall(job, "stall_before_release")
+                stall(job, "stall_before_release")
                 mark("pull")
             self._release(remote, group, job.lease_id, job.test_fault)
             mark("release")
@@ -237,7 +241,7 @@ class DecodeService:
             if not isinstance(exc, GlmPdError):
                 logger.exception("glm-pd decode: load of %s crashed", job.request_id)
             handoff.fail(reason)
-            result.reason = reason
+            result.reason, result.code = reason, failure_code(exc)
             self._abort(remote, group, job.lease_id, reason)
             self._forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
         result.states = handoff.states
@@ -252,9 +256,9 @@ class DecodeService:
 
     def _plan(self, job: LoadJob, view: PeerView, result: LoadResult) -> TransferPlan:
         d_pt = self.local.shape.page_tokens
-        src = suffix_pages(
-            job.remote_pages, job.num_tokens, job.prefix_tokens, view.shape.page_tokens, align_tokens=d_pt
-        )
+        # prefill's block ids become its kernel pages by the ratio it announced at the handshake
+        remote = block_pages(job.remote_pages, view.shape.pages_per_block, side="prefill")
+        src = suffix_pages(remote, job.num_tokens, job.prefix_tokens, view.shape.page_tokens, align_tokens=d_pt)
         dst = suffix_pages(job.local_pages, job.num_tokens, job.prefix_tokens, d_pt, align_tokens=d_pt)
         t0 = time.perf_counter()
         plan = build_plan(
@@ -271,7 +275,7 @@ class DecodeService:
         try:
             for _, entries in plan.layers():
                 if len(posted) == 1:
-                    _stall(job, "stall_mid")
+                    stall(job, "stall_mid")
                 posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
                 if len(posted) == 1 and job.test_fault.startswith("transport_"):
                     posted[0].test_fault = job.test_fault.removeprefix("transport_")
@@ -326,6 +330,25 @@ class DecodeService:
                     protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats)
                 )
 
+    def _progress(self) -> None:
+        """While a lane waits for a peer: the transport's progress, and renewals that need no handshake."""
+        self.local.transport.notifs()
+        lane = getattr(self._here, "lane", None)
+        if lane is not None and self._renewals[lane]:
+            self._send_renewals(lane, connect=False)
+
+    def _lane_for(self, engine: str) -> int:
+        """The lane of a prefill engine (called under ``_lock``). Engine ids come from remote params: past
+        the cap, lanes are picked by hash, not remembered."""
+        lane = self._lane_of.get(engine)
+        if lane is None:
+            lane = len(self._lane_of) % len(self._lanes)
+            if len(self._lane_of) < _MAX_REMEMBERED_ENGINES:
+                self._lane_of[engine] = lane
+            else:
+                lane = _hash_lane(engine, len(self._lanes))
+        return lane
+
     def _forget(self, remote: RemotePrefill) -> None:
         for key in [k for k in list(self._peers) if k[0] == remote.engine_id]:  # other lanes add theirs
             peer = self._peers.pop(key)
@@ -339,14 +362,19 @@ class DecodeService:
         client = SideChannelClient(remote.host, remote.base_port + rank)
         try:
             client.send(self.local.hello(self.local.transport.metadata()))
-            reply = client.recv(self.timeout_s, progress=self.local.transport.notifs)
+            reply = client.recv(self.timeout_s, progress=self._progress)
             if isinstance(reply, protocol.Failed):
-                raise GlmPdError(f"prefill {remote.engine_id} rank {rank} refused the handshake: {reply.reason}")
+                raise Refused(
+                    f"prefill {remote.engine_id} rank {rank} refused the handshake: {reply.reason}", reply.code
+                )
             if not isinstance(reply, protocol.Hello):
                 raise ProtocolError(f"prefill {remote.engine_id} rank {rank} answered {type(reply).__name__}")
-            view = accept_hello(
-                self.local.spec, reply, backend=self.local.transport.backend, role="prefill", local_role="decode"
-            )
+            try:
+                view = accept_hello(
+                    self.local.spec, reply, backend=self.local.transport.backend, role="prefill", local_role="decode"
+                )
+            except (LayoutMismatch, ProtocolError, ConfigError) as exc:  # its hello, not the request, is wrong
+                raise Refused(str(exc), "refused_peer") from exc
             if view.engine_id != remote.engine_id or view.shape.tp_rank != rank:
                 raise ProtocolError(
                     f"{remote.host}:{remote.base_port + rank} is {view.engine_id} rank "
@@ -365,33 +393,15 @@ class DecodeService:
             peer.client.send(msg)
         deadline = time.monotonic() + self.timeout_s
         while True:
-            reply = peer.client.recv(max(deadline - time.monotonic(), 0.001), progress=self.local.transport.notifs)
+            reply = peer.client.recv(max(deadline - time.monotonic(), 0.001), progress=self._progress)
             if getattr(reply, "request_id", None) != request_id:
                 continue
             if isinstance(reply, protocol.Failed):
-                raise GlmPdError(f"prefill {peer.view.engine_id} refused {type(msg).__name__}: {reply.reason}")
+                raise Refused(f"prefill {peer.view.engine_id} refused {type(msg).__name__}: {reply.reason}", reply.code)
             if isinstance(reply, want):
                 return reply
             raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")
 
 
-class _Phases:
-    """Seconds spent in each phase of one load, from the moment the engine submitted it."""
-
-    def __init__(self, into: dict[str, float], since: float) -> None:
-        self.into, self.last = into, since
-
-    def __call__(self, phase: str) -> None:
-        now = time.monotonic()
-        self.into[phase], self.last = now - self.last, now
-
-
 def _hash_lane(engine: str, lanes: int) -> int:
     return xxhash.xxh3_64_intdigest(engine.encode()) % lanes
-
-
-def _stall(job: LoadJob, kind: str) -> None:
-    name, _, seconds = job.test_fault.partition(":")
-    if name == kind:
-        logger.warning("glm-pd test hook: %s stalls %s s (%s)", job.request_id, seconds, kind)
-        time.sleep(float(seconds))

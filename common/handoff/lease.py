@@ -2,8 +2,12 @@
 
 The rule that keeps freed pages from ever being served: decode may count a pull as good only when prefill
 confirms that the pages were still held when the read finished. Prefill answers that confirmation from
-this table: ``release`` returns False for a lease that expired (its pages may already hold other data), and
+this table: ``release`` raises for a lease that expired (its pages may already hold other data), and
 decode must then fail or recompute the request.
+
+A decode request may wait in its engine's queue (no free blocks yet) longer than a lease: decode then renews
+the lease every ``renew_interval(lease_s)`` while it waits, and each renewal holds the unclaimed pages one
+more ttl from then. A renewal never revives an expired lease.
 """
 
 from __future__ import annotations
@@ -14,7 +18,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from glm_pd_common.errors import LeaseExpired
+from glm_pd_common.errors import ConfigError, LeaseExpired
+
+RENEWALS_PER_LEASE = 6  # as vLLM's NIXL heartbeats: five renewals in a row may be lost before a lease runs out
+
+
+def renew_interval(lease_s: float) -> float:
+    """How often decode renews the lease of a request still waiting for blocks (``lease_s`` is prefill's)."""
+    if not lease_s > 0:
+        raise ConfigError(f"lease_s must be positive, got {lease_s!r}")
+    return lease_s / RENEWALS_PER_LEASE
 
 
 @dataclass
@@ -63,6 +76,15 @@ class LeaseTable:
         lease.claimants.add(by)
         lease.expires_at = max(lease.expires_at, self._clock() + self.transfer_ttl_s)
         return lease
+
+    def renew(self, request_id: str) -> bool:
+        """Decode still waits to claim: hold the pages ``ttl_s`` from now (never shorter than they were held).
+        False for a claimed lease (the claim's hold governs); ``LeaseExpired`` for an unknown or expired one."""
+        lease = self._live(request_id)
+        if lease.claimants:
+            return False
+        lease.expires_at = max(lease.expires_at, self._clock() + self.ttl_s)
+        return True
 
     def release(self, request_id: str) -> np.ndarray | None:
         """A decode rank confirms its read; raises ``LeaseExpired`` if the pages were not held to now.

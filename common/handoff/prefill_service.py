@@ -4,9 +4,18 @@ One thread owns the side channel socket, the transport's notifications and the l
 them is touched concurrently. The engine adapter talks to it through two thread-safe calls: ``grant``
 (a finished request's pages, to hold for decode) and ``finished`` (requests whose pages may now be freed:
 released by every decode rank that reads them, aborted, or expired).
+GPU ordering: a grant may come with a ``ReadyEvent`` recorded after the GPU work that writes its pages. Until
+the event completes no claim is answered (``Claimed`` is what lets decode read): a claim that arrives first
+waits beside the grant, and the service thread polls the event once per loop turn (every few ms) rather
+than blocking on it, so other requests are served meanwhile and every piece of state stays on this one
+thread. The lease clock starts when the event completes, so a slow GPU never uses up decode's time; a grant
+whose event has not completed within a lease ends as expired (a hung GPU must not hold pages forever).
+Decode renews the leases of requests still waiting for its blocks (``Renew``); only unclaimed live leases
+are extended.
 A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
 same agent (a restart, or a re-handshake after a failed load) replaces it, and a peer silent for
-``peer_idle_s`` that holds no claim on a live lease is forgotten; either way its agent leaves the transport.
+``peer_idle_s`` that holds no claim (on a live lease, or waiting for one) is forgotten; either way its agent
+leaves the transport.
 ``leftovers`` counts what is held, so a harness can check that nothing leaks.
 """
 
@@ -18,14 +27,15 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from glm_pd_common.errors import GlmPdError, ProtocolError
+from glm_pd_common.errors import GlmPdError, LeaseExpired, ProtocolError
 from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.lease import LeaseTable
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.sidechannel import SideChannelServer
 from glm_pd_common.layout.checksum import MAX_PAGE_QUERIES, page_digests, plan_digests
@@ -36,6 +46,17 @@ from glm_pd_common.layout.tp import expected_releases
 logger = logging.getLogger(__name__)
 
 
+class ReadyEvent(Protocol):
+    """Completes once the GPU work that wrote a grant's pages has finished: a ``torch.cuda.Event`` recorded on
+    the writing stream after the forward (with MTP, after the drafter's last step) satisfies it. The service
+    only polls ``query``, on its own thread: an event tied to a device should make that device current for
+    the call itself. ``synchronize`` is part of the shape so any CUDA event type fits."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Finished:
     """A request whose prefill pages may be freed, and why."""
@@ -43,6 +64,15 @@ class Finished:
     request_id: str
     outcome: str  # released | aborted | expired
     detail: str = ""
+
+
+@dataclass
+class _Unready:
+    """A grant whose pages the GPU may still be writing: no lease (and no clock) until ``ready`` completes."""
+
+    pages: np.ndarray
+    ready: ReadyEvent
+    deadline: float
 
 
 @dataclass
@@ -74,10 +104,12 @@ class PrefillService:
         self._next_idle_check = 0.0
         self.server = SideChannelServer(host, port)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
-        self._grants: queue.SimpleQueue[tuple[str, np.ndarray]] = queue.SimpleQueue()
+        self._grants: queue.SimpleQueue[tuple[str, np.ndarray, ReadyEvent | None]] = queue.SimpleQueue()
+        self._unready: dict[str, _Unready] = {}
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()
         self._decodes: dict[bytes, _Decode] = {}
-        self._early_claims: dict[tuple[str, bytes], tuple[protocol.TransferRequest, float]] = {}
+        # claims (and a release-only decode's confirmation) that came before the grant, with their deadlines
+        self._early_claims: dict[tuple[str, bytes], tuple[protocol.TransferRequest | protocol.Done, float]] = {}
         self._plans: dict[tuple[bytes, str], TransferPlan] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # recently ended leases, so late claims fail fast
         self._stop = threading.Event()
@@ -89,20 +121,22 @@ class PrefillService:
         return self.server.port
 
     # -- engine-facing, thread-safe ---------------------------------------------------------------
-    def grant(self, request_id: str, pages: np.ndarray) -> None:
-        """Hold a finished request's full page table for decode (its lease starts now)."""
-        self._grants.put((request_id, np.asarray(pages, dtype=np.int64)))
+    def grant(self, request_id: str, pages: np.ndarray, ready: ReadyEvent | None = None) -> None:
+        """Hold a finished request's full page table for decode. Its lease starts now, or with ``ready``
+        once that event completes: no claim is answered before (the GPU may still be writing the pages)."""
+        self._grants.put((request_id, np.asarray(pages, dtype=np.int64), ready))
 
     def finished(self) -> list[Finished]:
         return drain(self._finished)
 
     def leftovers(self) -> dict[str, int]:
-        """What this service holds now. Once every request has ended: ``leases``, ``early_claims`` and
-        ``plans`` are 0, ``decode_peers`` is at most the decode ranks still connected, ``transport_peers``
-        equals ``decode_peers`` (one transport agent per decode peer).
-        The ids of recently ended leases are kept apart, bounded (so a late claim fails fast)."""
+        """What this service holds now. Once every request has ended: ``leases``, ``unready`` (grants whose
+        pages are not ready yet), ``early_claims`` and ``plans`` are 0, ``decode_peers`` is at most the
+        decode ranks still connected, ``transport_peers`` equals ``decode_peers`` (one transport agent per
+        decode peer). The ids of recently ended leases are kept apart, bounded (so a late claim fails fast)."""
         return {
             "leases": len(self._leases),
+            "unready": len(self._unready),
             "early_claims": len(self._early_claims),
             "plans": len(self._plans),
             "decode_peers": len(self._decodes),
@@ -123,23 +157,16 @@ class PrefillService:
                 logger.exception("glm-pd prefill service step failed")
 
     def _step(self) -> None:
-        for request_id, pages in drain(self._grants):
-            if request_id in self._leases:
-                # Two live requests under one id cannot both be served safely: neither is.
-                self._leases.drop(request_id)
-                self._end(Finished(request_id, "aborted", "a second request arrived under the same id"))
-                continue
-            self._leases.grant(request_id, pages, releases=1)
-            self._gone.pop(request_id, None)  # an id used again after its earlier lease ended
-            for key in [k for k in self._early_claims if k[0] == request_id]:
-                self._on_claim(key[1], self._early_claims.pop(key)[0])
+        for request_id, pages, ready in drain(self._grants):
+            self._on_grant(request_id, pages, ready)
+        self._poll_unready()
         for lease in self._leases.expire():
             self._end(Finished(lease.request_id, "expired", "lease expired before decode confirmed"))
         now = time.monotonic()
         for (request_id, ident), (_, deadline) in list(self._early_claims.items()):
-            if deadline < now:
+            if deadline < now and request_id not in self._unready:  # an unready grant's claims wait for it
                 del self._early_claims[request_id, ident]
-                self._fail(ident, request_id, "prefill holds no lease for this request")
+                self._fail(ident, request_id, "prefill holds no lease for this request", "lease_expired")
         if now >= self._next_idle_check:
             self._forget_silent(now)
         self.local.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
@@ -160,8 +187,10 @@ class PrefillService:
             self._on_hello(ident, msg)
         elif isinstance(msg, protocol.Heartbeat):
             pass  # its arrival is the news (a forgotten peer learns at its next claim, and says hello again)
+        elif isinstance(msg, protocol.Renew):
+            self._on_renew(ident, msg)
         elif ident not in self._decodes:
-            self._fail(ident, getattr(msg, "request_id", ""), "no handshake from this peer yet")
+            self._fail(ident, getattr(msg, "request_id", ""), "no handshake from this peer yet", "refused_peer")
         elif isinstance(msg, protocol.TransferRequest):
             self._on_claim(ident, msg)
         elif isinstance(msg, protocol.Done):
@@ -190,20 +219,83 @@ class PrefillService:
                 raise ProtocolError(f"decode {msg.engine_id} says agent {peer.agent_name!r}, its metadata {agent!r}")
         except GlmPdError as exc:
             logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
-            self._fail(ident, "", str(exc))
+            self._fail(ident, "", str(exc), "refused_peer")
             return
         self._decodes[ident] = _Decode(ident, peer, agent, time.monotonic())
         self.server.send(ident, self.local.hello(self.local.transport.metadata()))
         logger.info("glm-pd prefill: decode %s accepted in %.1f ms", msg.engine_id, (time.monotonic() - t0) * 1e3)
 
+    def _on_grant(self, request_id: str, pages: np.ndarray, ready: ReadyEvent | None) -> None:
+        if request_id in self._leases or request_id in self._unready:
+            # Two live requests under one id cannot both be served safely: neither is.
+            self._leases.drop(request_id)
+            self._unready.pop(request_id, None)
+            self._end(Finished(request_id, "aborted", "a second request arrived under the same id"))
+            return
+        self._gone.pop(request_id, None)  # an id used again after its earlier lease ended
+        if ready is None:
+            self._hold(request_id, pages)
+        else:
+            self._unready[request_id] = _Unready(pages, ready, time.monotonic() + self._leases.ttl_s)
+
+    def _poll_unready(self) -> None:
+        """Start the lease of every grant whose pages the GPU has finished writing; end the hung ones."""
+        now = time.monotonic()
+        for request_id, grant in list(self._unready.items()):
+            try:
+                ready = grant.ready.query()
+            except Exception as exc:  # a device error: the pages cannot be trusted
+                del self._unready[request_id]
+                self._end_unready(Finished(request_id, "aborted", f"its ready event failed: {exc!r}"), "aborted")
+                continue
+            if ready:
+                del self._unready[request_id]
+                self._hold(request_id, grant.pages)
+            elif now > grant.deadline:
+                del self._unready[request_id]
+                detail = "its pages were not ready (the GPU work writing them had not finished) within a lease"
+                self._end_unready(Finished(request_id, "expired", detail), "lease_expired")
+
+    def _hold(self, request_id: str, pages: np.ndarray) -> None:
+        """The pages are final: lease them (the clock starts now) and answer the claims that came first."""
+        self._leases.grant(request_id, pages, releases=1)
+        for key in [k for k in self._early_claims if k[0] == request_id]:
+            early = self._early_claims.pop(key)[0]
+            if isinstance(early, protocol.Done):
+                self._on_done(key[1], early)
+            else:
+                self._on_claim(key[1], early)
+
+    def _end_unready(self, done: Finished, code: FailureCode) -> None:
+        self._end(done)
+        for key in [k for k in self._early_claims if k[0] == done.request_id]:
+            del self._early_claims[key]
+            self._fail(key[1], done.request_id, f"prefill's lease on this request ended: {done.detail}", code)
+
+    def _on_renew(self, ident: bytes, msg: protocol.Renew) -> None:
+        """Extend the unclaimed leases decode still waits on; anything else is ignored (renewal is unanswered)."""
+        if ident not in self._decodes:
+            logger.debug("glm-pd prefill: ignored a renewal of %d lease(s) from an unknown peer", len(msg.request_ids))
+            return
+        for request_id in msg.request_ids:
+            if request_id in self._unready:
+                logger.debug("glm-pd prefill: renewal of %s ignored: its pages are not ready yet", request_id)
+                continue
+            try:
+                if not self._leases.renew(request_id):
+                    logger.debug("glm-pd prefill: renewal of %s ignored: decode has claimed it", request_id)
+            except LeaseExpired as exc:
+                logger.debug("glm-pd prefill: renewal ignored: %s", exc)
+
     def _on_claim(self, ident: bytes, msg: protocol.TransferRequest) -> None:
         if msg.request_id in self._gone:
-            self._fail(
-                ident, msg.request_id, f"prefill's lease on this request already ended: {self._gone[msg.request_id]}"
-            )
+            ended = self._gone[msg.request_id]
+            code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
+            self._fail(ident, msg.request_id, f"prefill's lease on this request already ended: {ended}", code)
             return
         if msg.request_id not in self._leases:
-            # decode can ask before the engine hands the finished request over: hold the claim a while
+            # decode can ask before the engine hands the finished request over (or before the GPU finished
+            # writing its pages): hold the claim a while
             self._early_claims.setdefault((msg.request_id, ident), (msg, time.monotonic() + self.timeout_s))
             return
         decode = self._decodes[ident]
@@ -228,7 +320,8 @@ class PrefillService:
                 prefix_tokens=msg.prefix_tokens,
             )
         except GlmPdError as exc:
-            self._fail(ident, msg.request_id, str(exc))
+            code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
+            self._fail(ident, msg.request_id, str(exc), code)
             return
         if msg.verify:
             self._plans[ident, msg.request_id] = plan
@@ -239,19 +332,25 @@ class PrefillService:
         )
 
     def _on_done(self, ident: bytes, msg: protocol.Done) -> None:
+        if msg.request_id not in self._gone and msg.request_id not in self._leases:
+            # a decode that needs no bytes (its whole prompt hit, or vLLM skipped the read) confirms at once,
+            # possibly before the engine hands the finished request over: hold it as an early claim
+            self._early_claims.setdefault((msg.request_id, ident), (msg, time.monotonic() + self.timeout_s))
+            return
         # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
         self._leases.expect(msg.request_id, self._releases_from(self._decodes[ident]))
         try:
             pages = self._leases.release(msg.request_id)
-        except GlmPdError as exc:
-            self._fail(ident, msg.request_id, str(exc))
+        except LeaseExpired as exc:
+            self._fail(ident, msg.request_id, str(exc), "lease_expired")
             return
         self.server.send(ident, protocol.Released(v=PROTOCOL_VERSION, request_id=msg.request_id))
         if pages is not None:
             self._end(Finished(msg.request_id, "released"))
 
     def _on_abort(self, msg: protocol.Abort) -> None:
-        if self._leases.drop(msg.request_id) is not None:
+        held = self._leases.drop(msg.request_id) is not None
+        if self._unready.pop(msg.request_id, None) is not None or held:
             self._end(Finished(msg.request_id, "aborted", msg.reason))
         for key in [k for k in self._early_claims if k[0] == msg.request_id]:
             del self._early_claims[key]
@@ -259,10 +358,10 @@ class PrefillService:
 
     def _forget_silent(self, now: float) -> None:
         self._next_idle_check = now + min(1.0, self.peer_idle_s / 4)
-        reading = self._leases.claimants()
+        reading = self._leases.claimants() | {ident for _, ident in self._early_claims}  # both await an answer
         for d in [d for d in self._decodes.values() if now - d.last_seen > self.peer_idle_s]:
             if d.identity not in reading:
-                self._forget(d.identity, f"silent for {now - d.last_seen:.1f} s, holding no claim on a live lease")
+                self._forget(d.identity, f"silent for {now - d.last_seen:.1f} s, holding no claim")
 
     def _forget(self, ident: bytes, why: str) -> None:
         """Drop a decode peer and what was kept for it (its agent, plans, early claims); leases stay."""
@@ -278,8 +377,8 @@ class PrefillService:
     def _releases_from(self, decode: _Decode) -> int:
         return expected_releases(self.local.shape.tp_rank, self.local.shape.tp_size, decode.peer.shape.tp_size)
 
-    def _fail(self, ident: bytes, request_id: str, reason: str) -> None:
-        self.server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=reason))
+    def _fail(self, ident: bytes, request_id: str, reason: str, code: FailureCode) -> None:
+        self.server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=reason, code=code))
 
     def _end(self, done: Finished) -> None:
         self._finished.put(done)

@@ -7,6 +7,10 @@ Version history:
   ``kv_transfer_params`` and SGLang's backend messages carry this version too. Fields nobody read are gone
   (transfer ``dst_engine_id``; done ``num_bytes``/``digests``; claimed ``num_bytes``/``lease_s``); digests are typed
   as uint64; decode sends heartbeats while idle, so prefill can forget a decode that went silent.
+- 3: ``renew`` (decode keeps the leases of requests still waiting for its blocks; unanswered); ``failed``
+  carries a ``code`` from ``FAILURE_CODES``, so decode tells a lease expiry from a refusal or a bad request;
+  the hello's shape carries ``pages_per_block`` (vLLM's kernel pages per scheduler block, for block ids in
+  ``kv_transfer_params``); a release-only confirmation may precede the grant and is held like a claim.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -14,7 +18,7 @@ from a minimal header, then the full shape. Nothing is half-applied.
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union, get_args
 
 import msgspec
 
@@ -22,13 +26,19 @@ from glm_pd_common.errors import ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.pages import INT64_MAX
 
-PROTOCOL_VERSION = 2  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
+PROTOCOL_VERSION = 3  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
 HEARTBEAT_S = 5.0  # an idle decode lane says it is alive at least this often (a wire contract, as the messages)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
 # Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
 PageId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Digest = Annotated[int, msgspec.Meta(ge=0)]  # xxh3-64: msgpack caps it at 2**64 - 1
+MAX_RENEW_IDS = 4096  # request ids in one renewal; decode splits a longer list over several messages
+# Why a load failed, as decode reports it; prefill's ``failed`` names one too (the ones it can know).
+FailureCode = Literal[
+    "lease_expired", "transport", "digest", "refused_peer", "invalid_params", "timeout", "aborted", "internal"
+]
+FAILURE_CODES: tuple[str, ...] = get_args(FailureCode)
 
 
 class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -94,8 +104,11 @@ class Done(_Base, tag="done", frozen=True):
 
 
 class Failed(_Base, tag="failed", frozen=True):
+    """A refusal; ``code`` is what kind (``lease_expired``: prefill holds no live lease for the request)."""
+
     request_id: str
     reason: str
+    code: FailureCode = "internal"
 
 
 class Abort(_Base, tag="abort", frozen=True):
@@ -110,6 +123,13 @@ class Heartbeat(_Base, tag="heartbeat", frozen=True):
     seq: int
 
 
+class Renew(_Base, tag="renew", frozen=True):
+    """Decode still waits for blocks for these requests: hold their unclaimed pages another lease from now.
+    Unanswered; an id prefill holds no live unclaimed lease for is ignored (an expired lease stays expired)."""
+
+    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_RENEW_IDS)]
+
+
 class DigestQuery(_Base, tag="digest_query", frozen=True):
     request_id: str
     region_indices: list[int]
@@ -121,7 +141,7 @@ class PageDigests(_Base, tag="page_digests", frozen=True):
 
 
 Message = Union[
-    Hello, Query, TransferRequest, Claimed, Released, Done, Failed, Abort, Heartbeat, DigestQuery, PageDigests
+    Hello, Query, TransferRequest, Claimed, Released, Done, Failed, Abort, Heartbeat, Renew, DigestQuery, PageDigests
 ]
 
 

@@ -1,10 +1,13 @@
-"""Each engine's ``--kv-cache-dtype`` names -> the main MLA row that engine allocates for a GLM-5.x DSA model.
+"""What each engine writes for a GLM-5.x DSA model: the main MLA row per ``--kv-cache-dtype`` name and
+attention backend, and the indexer scale encoding per device.
 
-The same word means different rows to different engines (vLLM's ``fp8`` is the 656 B ``fp8_ds_mla`` row;
-SGLang has no ``fp8`` at all), so an engine's name is never handed to the layout directly: it goes through
-this one table, which both adapters and ``glm-pd plan`` read. The values are glm-pd's row formats
+The same word means different rows to different engines and backends (vLLM's ``fp8`` is the 656 B
+``fp8_ds_mla`` row under FLASHMLA_SPARSE and the plain 576 B fp8 row under FLASHINFER_MLA_SPARSE; SGLang has
+no ``fp8`` at all), so an engine's name is never handed to the layout directly: it goes through this one
+table, which both adapters and ``glm-pd plan`` read. The values are glm-pd's row formats
 (``formats.ROW_FORMATS``). A key carries the DSA attention backend because the row can depend on it;
-``None`` is the engine's default backend.
+``None`` is the engine's default backend, and a backend the table does not name allocates the default row
+(the adapters then check the row against the cache tensors themselves).
 """
 
 from __future__ import annotations
@@ -15,12 +18,18 @@ ENGINES = ("vllm", "sglang")
 
 # (engine, cache dtype name, attention backend or None for the default) -> glm-pd row format.
 _ROW_FORMATS: dict[tuple[str, str, str | None], str] = {
-    # vLLM 0.33: DSA backends store fp8 as fp8_ds_mla; auto is the model dtype (bf16) on Hopper.
+    # vLLM 0.33: FLASHMLA_SPARSE serves every fp8 name as fp8_ds_mla (it rewrites the cache dtype to that
+    # name); auto is the model dtype (bf16). The FlashInfer sparse backends keep the plain 576 B fp8 row, and
+    # on SM10x vLLM turns auto into fp8_e4m3 for GlmMoeDsaForCausalLM before a backend is chosen.
     ("vllm", "auto", None): "bf16",
     ("vllm", "bfloat16", None): "bf16",
     ("vllm", "fp8", None): "fp8_ds_mla",
     ("vllm", "fp8_e4m3", None): "fp8_ds_mla",
     ("vllm", "fp8_ds_mla", None): "fp8_ds_mla",
+    ("vllm", "fp8", "FLASHINFER_MLA_SPARSE"): "fp8_raw",
+    ("vllm", "fp8_e4m3", "FLASHINFER_MLA_SPARSE"): "fp8_raw",
+    ("vllm", "fp8", "FLASHINFER_MLA_SPARSE_SM90"): "fp8_raw",
+    ("vllm", "fp8_e4m3", "FLASHINFER_MLA_SPARSE_SM90"): "fp8_raw",
     # SGLang 0.5.23: fp8_e4m3 is fp8_ds_mla, except under the trtllm and tilelang DSA backends (raw fp8).
     ("sglang", "auto", None): "bf16",
     ("sglang", "bf16", None): "bf16",
@@ -52,6 +61,33 @@ def row_formats_by_backend(engine: str, cache_dtype: str) -> dict[str | None, st
     return {backend: row for (e, name, backend), row in _ROW_FORMATS.items() if e == engine and name == cache_dtype}
 
 
-def row_format_for(engine: str, cache_dtype: str) -> str:
-    """The row ``engine`` allocates for ``cache_dtype`` under its default attention backend."""
-    return row_formats_by_backend(engine, cache_dtype)[None]
+def row_format_for(engine: str, cache_dtype: str, backend: str | None = None) -> str:
+    """The row ``engine`` allocates for ``cache_dtype`` under ``backend`` (``None``: its default backend)."""
+    rows = row_formats_by_backend(engine, cache_dtype)
+    return rows.get(backend, rows[None])
+
+
+def vllm_indexer_scale_format(platform: str, capability: tuple[int, int] | None, configured: str = "") -> str:
+    """The indexer scale encoding vLLM 0.33 writes on a device, confirmed against a configured value.
+
+    vLLM packs each token's power-of-two scale as four equal UE8M0 bytes exactly where its MQA-logits kernels
+    take MX scales: CUDA devices of the SM10x family (``utils/deep_gemm.py``, ``mqa_logits_use_mx_scales``);
+    SM90, SM12x and the CPU path store fp32. A configured value that contradicts the device is refused: the
+    fingerprint would then promise bytes this rank does not hold. ``platform`` is ``cuda``, ``cpu`` or what
+    else the engine runs on (refused: glm-pd does not know the indexer bytes there).
+    """
+    if platform == "cuda":
+        if capability is None:
+            raise ConfigError("cannot read the CUDA device capability, which decides vLLM's indexer scale format")
+        detected = "ue8m0x4" if capability[0] == 10 else "fp32"
+        device = f"CUDA SM{capability[0]}{capability[1]}"
+    elif platform == "cpu":
+        detected, device = "fp32", "CPU"
+    else:
+        raise ConfigError(f"glm-pd knows the indexer bytes vLLM writes on CUDA and CPU devices, not on {platform!r}")
+    if configured and configured != detected:
+        raise ConfigError(
+            f"indexer_scale_format is configured {configured!r}, but vLLM writes {detected!r} indexer scales on "
+            f"this device ({device}); leave it unset or set it to {detected!r}"
+        )
+    return detected

@@ -13,6 +13,7 @@ import xxhash
 from glm_pd_common.errors import ConfigError, LayoutMismatch
 from glm_pd_common.layout.formats import IndexerFormat, MainRowFormat, check_page_tokens
 from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.pages import MAX_PAGES_PER_BLOCK
 from glm_pd_common.layout.tp import SUPPORTED_TP
 
 # The meaning of the fields below: bump when the same field values would lay bytes out differently.
@@ -43,9 +44,10 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PeerShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What may differ between peers: exchanged and checked for convertibility, not equality."""
 
-    page_tokens: int
+    page_tokens: int  # tokens of one registered page (vLLM: its kernel block)
     tp_size: int
     tp_rank: int
+    pages_per_block: int = 1  # pages in one of the engine's block ids (vLLM: kernel blocks per scheduler block)
 
 
 def make_fingerprint(
@@ -97,6 +99,8 @@ def check_shape(shape: PeerShape, *, side: str) -> None:
         raise ConfigError(f"{side} tp_size must be one of {SUPPORTED_TP}, got {shape.tp_size}")
     if not 0 <= shape.tp_rank < shape.tp_size:
         raise ConfigError(f"{side} tp_rank {shape.tp_rank} is outside 0..{shape.tp_size - 1}")
+    if not 1 <= shape.pages_per_block <= MAX_PAGES_PER_BLOCK:
+        raise ConfigError(f"{side} pages_per_block must be in 1..{MAX_PAGES_PER_BLOCK}, got {shape.pages_per_block}")
 
 
 def require_convertible(prefill: PeerShape, decode: PeerShape) -> None:

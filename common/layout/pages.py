@@ -139,6 +139,35 @@ def as_page_ids(pages: object, *, side: str) -> np.ndarray:
     return ids.astype(np.int64, copy=False) if np.issubdtype(ids.dtype, np.integer) else ids
 
 
+MAX_PAGES_PER_BLOCK = 256  # a 4096-token scheduler block of 16-token kernel pages; more is hostile
+
+
+def block_pages(block_ids: object, pages_per_block: int, *, side: str = "local") -> np.ndarray:
+    """The kernel pages of scheduler blocks, block by block: block ``b`` is pages ``b·r .. b·r + r - 1``.
+
+    vLLM splits a scheduler block into ``r`` kernel blocks that sit one after another in memory (its
+    ``[r·B, 1, K, C]`` views), and each kernel block has the page layout of a ``K``-token page: for the
+    indexer, ``K`` keys then ``K`` scales. Regions are therefore registered per kernel page, and block ids
+    (often a peer's) are translated here. An id whose pages would pass int64 is refused, not wrapped.
+    """
+    if not 1 <= pages_per_block <= MAX_PAGES_PER_BLOCK:
+        raise PlanError(f"{side} pages_per_block must be in 1..{MAX_PAGES_PER_BLOCK}, got {pages_per_block}")
+    ids = as_page_ids(block_ids, side=side)
+    if ids.ndim != 1:
+        raise PlanError(f"{side} block ids must be one list, got shape {ids.shape}")
+    if not ids.size:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise PageOutOfRange(f"{side} block ids are not integers (dtype {ids.dtype})")
+    if pages_per_block == 1:
+        return ids
+    limit = (INT64_MAX - pages_per_block + 1) // pages_per_block
+    bad = (ids < 0) | (ids > limit)
+    if np.any(bad):
+        raise PageOutOfRange(f"{side} block id {int(ids[np.argmax(bad)])} has no kernel pages (valid 0..{limit})")
+    return (ids[:, None] * pages_per_block + np.arange(pages_per_block, dtype=np.int64)).ravel()
+
+
 def check_unique(pages: np.ndarray, *, side: str) -> None:
     """A page listed twice would make two tokens' bytes land on one place: refuse it."""
     # Sort-based rather than np.unique: np.unique imports numpy.ma on first use, seconds of GIL-bound work

@@ -15,6 +15,7 @@ from glm_pd_common.layout.cache_dtypes import (
     accepted_cache_dtypes,
     row_format_for,
     row_formats_by_backend,
+    vllm_indexer_scale_format,
 )
 from glm_pd_common.layout.formats import main_row_format
 from glm_pd_common.layout.geometry import ModelGeometry
@@ -113,3 +114,56 @@ def test_sglang_adapter_accepts_the_rows_sglang_allocates(row: int, name: str) -
 def test_sglang_adapter_refuses_rows_the_dtype_does_not_give(row: int, name: str) -> None:
     with pytest.raises(ConfigError, match="do not fit kv_cache_dtype"):
         row_format_name(64 * row, 64, name, GEOMETRY)
+
+
+# vLLM 0.33 by sparse backend (FACTS.md §8): FLASHMLA_SPARSE serves fp8 as 656 B fp8_ds_mla, the FlashInfer
+# sparse backends keep 576 B plain fp8 rows, bf16 is 1,152 B everywhere; a backend not named keeps the default.
+VLLM_BACKEND_ROW_BYTES = [
+    ("fp8_e4m3", "FLASHINFER_MLA_SPARSE", RAW_FP8),
+    ("fp8", "FLASHINFER_MLA_SPARSE", RAW_FP8),
+    ("fp8_e4m3", "FLASHINFER_MLA_SPARSE_SM90", RAW_FP8),
+    ("bfloat16", "FLASHINFER_MLA_SPARSE", BF16),
+    ("auto", "FLASH_ATTN_MLA_SPARSE", BF16),
+    ("fp8", "FLASHMLA_SPARSE", FP8_DS_MLA),
+    ("fp8_ds_mla", "FLASHMLA_SPARSE", FP8_DS_MLA),
+    ("bfloat16", "FLASH_ATTN_MLA_SPARSE_FA4", BF16),
+]
+
+
+@pytest.mark.parametrize(("name", "backend", "nbytes"), VLLM_BACKEND_ROW_BYTES)
+def test_vllm_rows_follow_the_sparse_backend(name: str, backend: str, nbytes: int) -> None:
+    assert row_bytes(row_format_for("vllm", name, backend)) == nbytes
+
+
+def test_an_unknown_name_is_refused_whatever_the_backend() -> None:
+    with pytest.raises(ConfigError, match="'nvfp4_ds_mla'"):
+        row_format_for("vllm", "nvfp4_ds_mla", "FLASHMLA_SPARSE")
+
+
+@pytest.mark.parametrize(
+    ("platform", "capability", "scale"),
+    [
+        ("cuda", (9, 0), "fp32"),  # H100 / H200
+        ("cuda", (10, 0), "ue8m0x4"),  # B200
+        ("cuda", (10, 3), "ue8m0x4"),  # B300: the SM10x family
+        ("cuda", (12, 0), "fp32"),  # SM120 is not in vLLM's MX-scale family
+        ("cpu", None, "fp32"),
+    ],
+)
+def test_vllm_indexer_scale_format_by_device(platform: str, capability, scale: str) -> None:
+    assert vllm_indexer_scale_format(platform, capability) == scale
+    assert vllm_indexer_scale_format(platform, capability, scale) == scale
+
+
+@pytest.mark.parametrize(
+    ("capability", "configured", "written"), [((9, 0), "ue8m0x4", "fp32"), ((10, 0), "fp32", "ue8m0x4")]
+)
+def test_a_configured_scale_format_the_device_contradicts_names_both(capability, configured: str, written: str) -> None:
+    with pytest.raises(ConfigError, match=rf"configured '{configured}', but vLLM writes '{written}'"):
+        vllm_indexer_scale_format("cuda", capability, configured)
+
+
+@pytest.mark.parametrize(("platform", "capability", "needle"), [("rocm", None, "'rocm'"), ("cuda", None, "capability")])
+def test_devices_glm_pd_cannot_read_are_refused(platform: str, capability, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        vllm_indexer_scale_format(platform, capability)

@@ -69,3 +69,24 @@ def test_shapes_convertible_or_refused():
         require_convertible(PeerShape(64, 3, 0), PeerShape(64, 2, 0))
     with pytest.raises(ConfigError, match="tp_rank 2"):
         require_convertible(PeerShape(64, 2, 2), PeerShape(64, 2, 0))
+
+
+def test_raw_fp8_and_fp8_ds_mla_peers_refuse_each_other_naming_both_rows():
+    """A B200 on FLASHINFER_MLA_SPARSE (576 B) and an H200 on FLASHMLA_SPARSE (656 B): FACTS.md §2, §8."""
+    raw = CacheSpec.create(ModelGeometry.preset("glm-5.3"), "fp8_raw", "ue8m0x4").fingerprint()
+    with pytest.raises(LayoutMismatch) as err:
+        require_match(raw, BASE, local_name="decode", remote_name="prefill")
+    for needle in (
+        "main_row_format: decode='fp8_raw' prefill='fp8_ds_mla'",
+        "main_row_bytes: decode=576 prefill=656",
+        "indexer_scale_format: decode='ue8m0x4' prefill='fp32'",
+    ):
+        assert needle in str(err.value)
+
+
+def test_pages_per_block_is_exchanged_and_bounded():
+    assert PeerShape(64, 1, 0).pages_per_block == 1  # what an engine without kernel blocks announces
+    require_convertible(PeerShape(64, 1, 0, pages_per_block=2), PeerShape(64, 1, 0))
+    for bad in (0, 257):
+        with pytest.raises(ConfigError, match=f"prefill pages_per_block must be in 1..256, got {bad}"):
+            require_convertible(PeerShape(64, 1, 0, pages_per_block=bad), PeerShape(64, 1, 0))

@@ -75,6 +75,8 @@ def typed(t: mi.Type, name: str = "", *, mixed: bool = False) -> st.SearchStrate
         in_range = ints.filter(lambda x: (lo is None or x >= lo) and (hi is None or x <= hi))
         # msgpack carries nothing past int64 below or uint64 above
         return st.one_of(st.integers(INT64_MIN if lo is None else lo, UINT64_MAX if hi is None else hi), in_range)
+    if isinstance(t, mi.LiteralType):
+        return st.sampled_from(t.values)
     if isinstance(t, mi.BoolType):
         return st.booleans()
     if isinstance(t, mi.FloatType):
@@ -123,6 +125,8 @@ def conforms(value: Any, t: mi.Type) -> bool:
     """Does a decoded value have exactly its declared type (a bool is not an int; ints fit in msgpack's range)?"""
     if isinstance(t, mi.IntType):
         return type(value) is int and INT64_MIN <= value <= UINT64_MAX
+    if isinstance(t, mi.LiteralType):
+        return value in t.values and type(value) is type(t.values[0])
     simple = {mi.BoolType: bool, mi.FloatType: float, mi.StrType: str, mi.BytesType: bytes, mi.NoneType: type(None)}
     if type(t) in simple:
         return type(value) is simple[type(t)]
@@ -177,8 +181,9 @@ def samples(spec: CacheSpec) -> list[proto.Message]:
         proto.Claimed(v=v, request_id="r", digests=[1, UINT64_MAX]),
         proto.Released(v=v, request_id="r"),
         proto.Done(v=v, request_id="r"),
-        proto.Failed(v=v, request_id="r", reason="x"),
+        proto.Failed(v=v, request_id="r", reason="x", code="lease_expired"),
         proto.Abort(v=v, request_id="r", reason="y"),
+        proto.Renew(v=v, request_ids=["r", "s"]),
         proto.Heartbeat(v=v, engine_id="e", seq=3),
         proto.DigestQuery(v=v, request_id="r", region_indices=[0, 9]),
         proto.PageDigests(v=v, request_id="r", pages={0: [1, 2]}),

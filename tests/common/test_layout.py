@@ -1,7 +1,11 @@
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from glm_pd_common.errors import ConfigError
+from glm_pd_common.errors import ConfigError, PageOutOfRange, PlanError
 from glm_pd_common.layout.formats import IndexerFormat, main_row_format
+from glm_pd_common.layout.pages import INT64_MAX, MAX_PAGES_PER_BLOCK, block_pages
 
 
 def test_fp8_ds_mla_row_is_656_with_named_ranges():
@@ -46,3 +50,59 @@ def test_scale_format_is_checked():
 def test_token_outside_page_is_refused():
     with pytest.raises(ValueError):
         IndexerFormat().key_range(64, 64)
+
+
+# -- scheduler blocks of several kernel pages (vLLM's --block-size 128 over 64-token kernel blocks) ----------
+ids_and_ratio = st.tuples(st.lists(st.integers(0, 1 << 40), max_size=40), st.integers(1, MAX_PAGES_PER_BLOCK))
+
+
+@given(ids_and_ratio)
+def test_block_pages_lists_each_blocks_kernel_pages_in_order(case):
+    ids, ratio = case
+    pages = block_pages(ids, ratio)
+    assert pages.dtype == np.int64 and pages.size == len(ids) * ratio
+    assert np.array_equal(pages // ratio, np.repeat(np.asarray(ids, dtype=np.int64), ratio))
+    assert np.array_equal(pages % ratio, np.tile(np.arange(ratio), len(ids)))
+
+
+@pytest.mark.parametrize(
+    ("ids", "ratio", "error", "needle"),
+    [
+        ([INT64_MAX // 2 + 1], 2, PageOutOfRange, "has no kernel pages"),  # its pages would pass int64
+        ([3, -1], 2, PageOutOfRange, "block id -1"),
+        ([1.5], 2, PageOutOfRange, "not integers"),
+        ([[1, 2]], 2, PlanError, "one list"),
+        ([1], 0, PlanError, "pages_per_block"),
+        ([1], MAX_PAGES_PER_BLOCK + 1, PlanError, "pages_per_block"),
+    ],
+)
+def test_block_pages_refuses_what_has_no_pages(ids, ratio, error, needle):
+    with pytest.raises(error, match=needle):
+        block_pages(ids, ratio)
+
+
+def test_block_pages_of_nothing_is_an_empty_int64_list():
+    assert block_pages([], 2).dtype == np.int64 and block_pages([], 1).size == 0
+
+
+def _kernel_writer_offsets(block: int, token: int, kernel: int, ratio: int) -> tuple[int, int]:
+    """Key and scale byte offsets of ``token`` of scheduler ``block``, where vLLM's indexer kernel writes them
+    (kernel block ``block * ratio + token // kernel``; key at 128·t, scale at 128·K + 4·t inside it)."""
+    page, t = block * ratio + token // kernel, token % kernel
+    base = page * kernel * 132
+    return base + 128 * t, base + 128 * kernel + 4 * t
+
+
+def test_kernel_pages_are_exact_where_one_128_token_page_is_not():
+    """A 128-token scheduler block holds two 64-token kernel pages, keys then scales in each: reading it as
+    one 128-token page (all keys, then all scales) misplaces the first half's scales and the second half's keys."""
+    idx, page_bytes = IndexerFormat(), IndexerFormat().page_format.page_bytes
+    wrong = 0
+    for token in range(128):
+        written = _kernel_writer_offsets(block=3, token=token, kernel=64, ratio=2)
+        page = int(block_pages([3], 2)[token // 64])
+        start = page * page_bytes(64)
+        assert (start + idx.key_range(token % 64, 64)[0], start + idx.scale_range(token % 64, 64)[0]) == written
+        whole = 3 * page_bytes(128)
+        wrong += (whole + idx.key_range(token, 128)[0], whole + idx.scale_range(token, 128)[0]) != written
+    assert wrong == 128

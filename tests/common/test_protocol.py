@@ -39,8 +39,10 @@ def _hello():
         proto.Released(v=V, request_id="r"),
         proto.Query(v=V, engine_id="doctor"),
         proto.Failed(v=V, request_id="r", reason="x"),
+        proto.Failed(v=V, request_id="r", reason="x", code="lease_expired"),
         proto.Abort(v=V, request_id="r", reason="x"),
         proto.Heartbeat(v=V, engine_id="e", seq=3),
+        proto.Renew(v=V, request_ids=["a", "b"]),
         proto.DigestQuery(v=V, request_id="r", region_indices=[0]),
         proto.PageDigests(v=V, request_id="r", pages={0: [1, 2]}),
     ],
@@ -63,6 +65,10 @@ def test_unknown_version_refused_before_shape():
         {"type": "nope", "v": V},
         {"type": "done", "v": V, "request_id": "r", "num_bytes": 1},  # a field of version 1, gone in 2
         {"type": "page_digests", "v": V, "request_id": "r", "pages": {0: [-1]}},  # digests are uint64
+        {"type": "failed", "v": V, "request_id": "r", "reason": "x", "code": "lease expired"},  # not a code
+        {"type": "renew", "v": V, "request_ids": [1]},
+        {"type": "renew", "v": V, "request_ids": ["r"] * (proto.MAX_RENEW_IDS + 1)},  # past the cap: split it
+        {"type": "renew", "v": V, "request_id": "r"},  # one id is a list of one
         {"type": "claimed", "v": V, "request_id": "r", "digests": [-5]},
         {"type": "claimed", "v": V, "request_id": "r", "lease_s": 1.0},  # sent in version 1, never read: gone
         {
@@ -96,3 +102,17 @@ def test_truncated_hello_refused():
     raw = proto.encode(_hello())
     with pytest.raises(ProtocolError):
         proto.decode(raw[: len(raw) // 2])
+
+
+def test_every_failure_code_crosses_the_wire():
+    """Decode's ``LoadResult.code`` and prefill's ``Failed.code`` share one vocabulary, all of it valid."""
+    for code in proto.FAILURE_CODES:
+        msg = proto.Failed(v=V, request_id="r", reason="x", code=code)
+        assert proto.decode(proto.encode(msg)).code == code
+
+
+def test_a_version_2_peer_is_refused_by_its_number():
+    """Version 3 added ``renew`` and ``Failed.code``: a version 2 peer's messages are refused, not misread."""
+    raw = msgspec.msgpack.encode({"type": "failed", "v": 2, "request_id": "r", "reason": "x"})
+    with pytest.raises(ProtocolError, match=f"protocol version 2; this peer speaks {V}"):
+        proto.decode(raw)

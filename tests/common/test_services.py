@@ -3,6 +3,7 @@ what each side keeps per peer and per request, and how a bad reply from a peer f
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -11,10 +12,12 @@ import pytest
 
 from glm_pd_common.errors import TransferFailed
 from glm_pd_common.handoff import prefill_service
+from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, LoadResult
+from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.plan import build_plan
-from tests.support.services import SEED, Decode, Prefill, wait_for
+from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill, endpoint, wait_for
 
-IDLE = {"leases": 0, "early_claims": 0, "plans": 0, "decode_peers": 1, "transport_peers": 1}
+IDLE = {"leases": 0, "unready": 0, "early_claims": 0, "plans": 0, "decode_peers": 1, "transport_peers": 1}
 
 
 @pytest.mark.parametrize("same_name", [True, False], ids=["same-agent-name", "new-agent-name"])
@@ -132,6 +135,100 @@ def test_bytes_moved_are_the_transfers_that_completed(small_spec) -> None:
         with pytest.raises(TransferFailed, match="did not complete"):
             transport.wait(hung, 0.5)
         assert hung.completed_bytes_by_kind == {}
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _claim(decode: DecodeService, prefill: Prefill, request_id: str, num_tokens: int, **job) -> LoadResult:
+    """Submit one load of what prefill granted under ``request_id`` (``job`` overrides the job's fields)."""
+    n = -(-num_tokens // PAGE_TOKENS)
+    fields = {"remote_pages": prefill.table[:n], "local_pages": np.arange(n), **job}
+    decode.submit(LoadJob(request_id, prefill.remote, num_tokens=num_tokens, prefix_tokens=0, **fields))
+    results = wait_for(decode.results, bool, 30.0)
+    assert results, f"no result for {request_id}"
+    return results[0]
+
+
+def _granted(prefill: Prefill, request_id: str, num_tokens: int) -> None:
+    prefill.service.grant(request_id, prefill.table[: -(-num_tokens // PAGE_TOKENS)])
+
+
+def _expired(prefill, decode, rid):
+    _granted(prefill, rid, 64)
+    assert prefill.finished(rid, 5.0).outcome == "expired"
+    return _claim(decode.service, prefill, rid, 64)
+
+
+def _aborted(prefill, decode, rid):
+    _granted(prefill, rid, 64)
+    _granted(prefill, rid, 64)  # two live requests under one id: neither is served
+    assert prefill.finished(rid, 5.0).outcome == "aborted"
+    return _claim(decode.service, prefill, rid, 64)
+
+
+def _wrong_pages(prefill, decode, rid):
+    _granted(prefill, rid, 2 * 64)
+    return _claim(decode.service, prefill, rid, 2 * 64, remote_pages=prefill.table[1:3])
+
+
+def _bad_page_id(prefill, decode, rid):
+    _granted(prefill, rid, 2 * 64)
+    return _claim(decode.service, prefill, rid, 2 * 64, local_pages=np.array([0, NUM_PAGES + 4]))
+
+
+def _fault(name):
+    def run(prefill, decode, rid):
+        return decode.load(prefill, rid, 2 * 64, fault=name)
+
+    return run
+
+
+def _foreign_page_size(prefill, decode, rid):
+    """A decode whose shape prefill cannot pair with (48-token pages): prefill refuses its hello."""
+    _caches, local = endpoint(prefill.local.spec, "decode-odd", 5.0)  # held: the transport registered them
+    service = DecodeService(dataclasses.replace(local, shape=PeerShape(48, 1, 0)), timeout_s=5.0, verify_digests=False)
+    try:
+        _granted(prefill, rid, 64)
+        return _claim(service, prefill, rid, 64)
+    finally:
+        service.close()
+        local.transport.close()
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "reason"),
+    [
+        (_expired, "lease_expired", r"already ended: expired"),
+        (_aborted, "aborted", r"already ended: aborted"),
+        (_wrong_pages, "invalid_params", r"decode's source pages are not the pages it holds"),
+        (_bad_page_id, "invalid_params", rf"page id {NUM_PAGES + 4}\b"),
+        (_fault("transport_error"), "transport", r"failed \(injected\)"),
+        (_fault("corrupt"), "digest", r"checksum mismatch"),
+        (_fault("lose_release"), "timeout", r"no answer from 127\.0\.0\.1:\d+ within"),
+        (_foreign_page_size, "refused_peer", r"refused the handshake: .*page_tokens"),
+    ],
+    ids=lambda v: v.__name__.strip("_") if callable(v) else None,
+)
+def test_a_failed_load_says_what_kind_of_failure_it_was(small_spec, case, code, reason) -> None:
+    """Each failure the services can meet, made to happen for real, reports its own ``code`` (metrics count
+    lease expiries apart from transport failures) and a reason naming it."""
+    prefill = Prefill(small_spec, lease_s=0.3 if case is _expired else 60.0, timeout_s=1.5)
+    decode = Decode(small_spec, timeout_s=1.5)
+    try:
+        result = case(prefill, decode, "coded")
+        assert not result.ok
+        assert (result.code, re.search(reason, result.reason) is not None) == (code, True), result.reason
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_successful_load_has_no_failure_code(small_spec) -> None:
+    prefill, decode = Prefill(small_spec), Decode(small_spec)
+    try:
+        result = decode.load(prefill, "fine", 64)
+        assert (result.ok, result.code, result.reason) == (True, "", "")
     finally:
         decode.close()
         prefill.close()

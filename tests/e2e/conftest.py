@@ -8,11 +8,13 @@ import pytest
 from tests.support.ports import free_port
 from tests.support.scenarios import RUNS
 from tests.support.tiny_mla_model import make_model
-from tests.support.vllm_servers import CORE, START_S, TRANSPORT, Server, disaggregated
+from tests.support.vllm_faults import FAULT_RUNS, FaultPair
+from tests.support.vllm_servers import CORE, NO_AMX, START_S, Server, disaggregated, glm_pd_config
 
 
 def _reference_runs(model: Path, logs: Path) -> dict[str, list[int]]:
     """Every prompt first through a pair over vLLM's own NixlConnector, which then stops: name -> tokens.
+    The fault cases' prompts too, in the pass that runs them (the native one: test_engine_faults.py).
 
     Running it beside the glm-pd pair starved them: on two cores, vLLM's processes spin (the worker busy-loops
     for 1 s after each message, the engine steps while a connector request is pending), and the connector's
@@ -30,6 +32,11 @@ def _reference_runs(model: Path, logs: Path) -> dict[str, list[int]]:
         for name, prompt in RUNS:
             tokens = disaggregated(pair["kv_producer"], pair["kv_consumer"], str(model), prompt)
             out[name] = tokens["choices"][0]["token_ids"]
+        for name, prompt, max_tokens in [] if NO_AMX else FAULT_RUNS:
+            tokens = disaggregated(
+                pair["kv_producer"], pair["kv_consumer"], str(model), prompt, max_tokens, ignore_eos=True
+            )
+            out[name] = tokens["choices"][0]["token_ids"]
         return out
     finally:
         for server in pair.values():
@@ -42,31 +49,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     model = make_model(tmp_path_factory.mktemp("tiny-mla"))
     logs = tmp_path_factory.mktemp("engine-logs")
     reference = _reference_runs(model, logs)
-    side = free_port()
-    producer = {
-        "kv_connector": "GlmPdConnector", "kv_connector_module_path": "glm_pd_vllm.connector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", "side_channel_port": side,
-                                      "allow_tcp": True, "verify_checksums": True, "transport": TRANSPORT},
-    }  # fmt: skip
-    consumer = {**producer, "kv_role": "kv_consumer",
-                "kv_connector_extra_config": {"allow_tcp": True, "verify_checksums": True,
-                                              "transport": TRANSPORT}}  # fmt: skip
+    producer = glm_pd_config("kv_producer", side_channel_host="127.0.0.1", side_channel_port=free_port())
     servers = {
         "prefill": Server(
-            "prefill",
-            model,
-            logs,
-            "--kv-transfer-config",
-            json.dumps(producer),
-            env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]},
+            "prefill", model, logs, "--kv-transfer-config", producer, env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]}
         ),
         "decode": Server(
             "decode",
             model,
             logs,
             "--kv-transfer-config",
-            json.dumps(consumer),
+            glm_pd_config("kv_consumer"),
             "--enable-prompt-tokens-details",
             env={"VLLM_CPU_OMP_THREADS_BIND": CORE["decode"]},
         ),
@@ -76,7 +69,18 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         for server in servers.values():
             server.wait_ready(deadline)
         configured = {name: server.configured() for name, server in servers.items()}
-        yield {**servers, "reference": reference, "model": str(model), "configured": configured}
+        yield {**servers, "reference": reference, "model": str(model), "configured": configured, "logs": logs}
     finally:
         for server in servers.values():
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def fault_pair(engines: dict) -> Iterator[FaultPair]:
+    """The fault cases' own prefill and decode (tests/support/vllm_faults.py says which flags differ), started
+    once the session pair serves, so the two starts do not share the two cores."""
+    pair = FaultPair(Path(engines["model"]), engines["logs"])
+    try:
+        yield pair
+    finally:
+        pair.stop()

@@ -6,7 +6,6 @@ per-room state. Layout mismatches and a prefill that dies are in test_handoff.py
 
 Test double: the caches are host tensors shaped as SGLang's DSA pool (no GPU); see tests/support/sglang_proc.py."""
 
-
 import pytest
 
 from tests.support.sglang_checks import FAILED, SUCCESS, assert_clean, assert_exact

@@ -4,7 +4,6 @@ What stands in for the GPU: the caches are host tensors shaped as SGLang's DSA p
 (SGLang's ``device="cpu"``); everything else is SGLang's and glm-pd's own code (see tests/support/sglang_proc.py).
 """
 
-
 import pytest
 
 from tests.support.sglang_checks import FAILED, SUCCESS, assert_clean, assert_exact

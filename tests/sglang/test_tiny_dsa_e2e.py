@@ -5,7 +5,6 @@ prefix hit. Prefill's first token reaches decode in the metadata row, as in SGLa
 Test double: the engine's forward is the tiny model's (no GPU here); its caches live in buffers shaped as
 SGLang's DSA pool allocates them and move through the glm-pd backend."""
 
-
 import pytest
 
 from glm_pd_common.layout.geometry import ModelGeometry

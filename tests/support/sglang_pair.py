@@ -12,6 +12,7 @@ from tests.support.ports import free_port_range
 
 REPO = Path(__file__).parents[2]
 
+
 def full_layers(model: str) -> list[int]:
     return list(ModelGeometry.from_config(model, include_mtp=False).full_indexer_layers)
 
@@ -63,8 +64,12 @@ class Pair:
             path.write_text(json.dumps(cfg))
             log = open(self.tmp / f"{role}-{port}.log", "w")  # noqa: SIM115 (closed below, after the process)
             procs[role] = (
-                subprocess.Popen([sys.executable, "-m", "tests.support.sglang_proc", str(path)], stdout=log,
-                                 stderr=subprocess.STDOUT, cwd=REPO),
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.support.sglang_proc", str(path)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                ),
                 log,
             )
         try:

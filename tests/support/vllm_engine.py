@@ -81,6 +81,7 @@ class Engine:
         )
         kv_cache_config = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=[group])
         config.cache_config.num_gpu_blocks = self.num_blocks  # as EngineCore sets it after profiling
+        config.scheduler_config.max_num_seqs = job.get("max_num_seqs", config.scheduler_config.max_num_seqs)
         self.scheduler = Scheduler(
             vllm_config=config,
             kv_cache_config=kv_cache_config,
@@ -98,7 +99,7 @@ class Engine:
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(self.block_size, hash_fn)
-        self.faults: dict[str, str] = {}  # request id -> a decode-service test hook (decode_service.FAULTS)
+        self.faults: dict[str, str] = {}  # request id -> a decode-service test hook (handoff.loads.FAULTS)
         for worker in self.workers:
             service = worker._worker.decode
             if service is not None:
@@ -107,6 +108,7 @@ class Engine:
         self.invalid_block_ids: set[int] = set()  # every id a worker reported, for the tests' account
         self.reported_recving: list[str] = []  # every finished_recving vLLM's scheduler was given
         self.reported_failed: set[str] = set()  # every failed_recving
+        self.counts: dict[str, float] = {}  # the connector's stats counters, summed over steps
         self._owned: set[int] = set()
 
     def _with_fault(self, submit):
@@ -147,6 +149,10 @@ class Engine:
         if conn is not None:  # what vLLM's scheduler is told, once every rank has reported
             self.reported_recving.extend(conn.finished_recving or ())
             self.reported_failed |= conn.failed_recving
+            stats = conn.kv_connector_stats
+            for key, value in (stats.data if stats is not None else {}).items():
+                if isinstance(value, int | float):  # the connector's counts (lists are per-load samples)
+                    self.counts[key] = self.counts.get(key, 0) + value
         for core_outputs in self.scheduler.update_from_output(out, merged).values():
             for o in core_outputs.outputs:
                 track = self.tracked.get(o.request_id)

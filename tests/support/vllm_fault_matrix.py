@@ -35,7 +35,17 @@ SETTLE_S = LEASE_S + TIMEOUT_S + 6  # every hold that could outlive a fault has 
 PEER_SETTLE_S = max(LEASE_S + TIMEOUT_S, 3 * HEARTBEAT_S) + 2
 _seeds = itertools.count(100)
 # per-request state the services and the connector keep: all 0 once every request has ended
-_SERVICE_STATE = ("leases", "early_claims", "plans", "queued", "results", "inflight", "pending", "requests_held")
+_SERVICE_STATE = (
+    "leases",
+    "early_claims",
+    "unready",
+    "plans",
+    "queued",
+    "results",
+    "inflight",
+    "pending",
+    "requests_held",
+)
 # what vLLM finishes a request with, by the connector's report (an aborted one has no output at all)
 _FINISH = {"loaded": "length", "failed": "error", "no_load": "length"}
 
@@ -389,8 +399,6 @@ def cases(other_layers_model: str, no_mtp_model: str) -> list[tuple[str, str, st
         ("confirmation duplicated", "before release", "loaded", now, case_hook("duplicate_release")),
         ("duplicate request id at decode", "claim", "loaded,failed", now, case_duplicate_decode),
         ("retry after failure", "after failure", "failed,failed,loaded", now, case_retry_after_failure),
-        ("fingerprint: indexer_scale_format", "handshake", "failed", now,
-         case_fingerprint("indexer_scale_format", {"extra": {"indexer_scale_format": "ue8m0x4"}})),
         ("fingerprint: main_row_bytes", "handshake", "failed", now,
          case_fingerprint("main_row_bytes", {"cache_dtype": "auto"})),
         ("fingerprint: full_indexer_layers", "handshake", "failed", now,

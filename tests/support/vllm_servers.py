@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 from tests.support.ports import free_port
 from tests.support.scenarios import MAX_TOKENS
 
@@ -34,7 +36,15 @@ _NO_AMX_PATH = str(Path(__file__).parent / "no_amx")
 class Server:
     """One `python -m vllm.entrypoints.openai.api_server` (the `vllm` script looks up the name `vllm`)."""
 
-    def __init__(self, name: str, model: Path, log_dir: Path, *extra: str, env: dict | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        log_dir: Path,
+        *extra: str,
+        env: dict | None = None,
+        kv_cache_bytes: int | None = None,
+    ) -> None:
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
@@ -44,6 +54,9 @@ class Server:
             "--max-model-len", "2048", "--max-num-seqs", "4", *extra,
         ]  # fmt: skip
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1", **(env or {})}
+        if kv_cache_bytes is not None:  # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE (whole GiB) override it
+            del full_env["VLLM_CPU_KVCACHE_SPACE"]
+            cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
         if NO_AMX:
             full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [_NO_AMX_PATH, os.environ.get("PYTHONPATH")]))
         with self.log.open("w") as out:
@@ -100,13 +113,58 @@ class Server:
         pages = re.findall(r"GlmPdConnector worker \S+: \d+ regions of (\d+)-token pages", text)
         if pages:
             out["block_size"] = int(pages[-1])
+        capacity = re.findall(r"KV cache size: ([\d,]+) tokens", text)
+        if capacity:
+            out["kv_cache_tokens"] = int(capacity[-1].replace(",", ""))
         return out
+
+    def scheduler_state(self) -> dict[str, float]:
+        """vLLM's own scheduler gauges from ``/metrics``: ``running``, ``waiting``, ``waiting_capacity`` (no
+        blocks or slots yet), ``waiting_deferred`` (e.g. loads in flight), ``kv_cache_usage`` (0..1)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        names = {
+            "vllm:num_requests_running": "running",
+            "vllm:num_requests_waiting": "waiting",
+            "vllm:kv_cache_usage_perc": "kv_cache_usage",
+        }
+        out: dict[str, float] = {}
+        for name, labels, value in re.findall(r"^(vllm:\w+)\{([^}]*)\} (\S+)$", text, re.M):
+            reason = re.search(r'reason="(\w+)"', labels)
+            if name == "vllm:num_requests_waiting_by_reason" and reason:
+                out[f"waiting_{reason.group(1)}"] = float(value)
+            elif name in names:
+                out[names[name]] = float(value)
+        return out
+
+    def engine_alive(self) -> bool:
+        """The API server runs, answers ``/health``, and its EngineCore process is among its children."""
+        if self.proc.poll() is not None:
+            return False
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+            core = any(" ".join(c.cmdline()).startswith("VLLM::EngineCore") for c in children)
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return core and r.status == 200
+        except (psutil.Error, urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def engine_errors(self, offset: int) -> list[str]:
+        """Log lines after ``offset`` that say the engine died or one of its assertions failed."""
+        text = self.log.read_text(errors="replace")[offset:]
+        return [line for line in text.splitlines() if re.search(r"EngineDeadError|AssertionError|^\s*assert ", line)]
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to every process of this server (API server, EngineCore, workers): SIGSTOP freezes
+        it as a host that stops answering would, SIGKILL takes it away."""
+        os.killpg(self.proc.pid, sig)
 
     def log_size(self) -> int:
         return len(self.log.read_text(errors="replace"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a frozen server must be able to act on SIGTERM
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
@@ -115,11 +173,33 @@ class Server:
                 self.proc.wait()
 
 
-def disaggregated(prefill: Server, decode: Server, model: str, prompt: list[int]) -> dict:
-    """The router's flow: prefill with ``do_remote_decode`` and ``max_tokens 1``, then decode with the returned
-    ``kv_transfer_params``; decode's whole completion."""
-    body = {"model": model, "prompt": prompt, "temperature": 0, "return_token_ids": True}
+def glm_pd_config(role: str, **extra: object) -> str:
+    """``--kv-transfer-config`` for GlmPdConnector in ``role`` (kv_producer | kv_consumer): TCP allowed, digests
+    verified, the suite's transport, and ``extra`` in ``kv_connector_extra_config``."""
+    return json.dumps({
+        "kv_connector": "GlmPdConnector", "kv_connector_module_path": "glm_pd_vllm.connector", "kv_role": role,
+        "kv_connector_extra_config": {"allow_tcp": True, "verify_checksums": True, "transport": TRANSPORT, **extra},
+    })  # fmt: skip
+
+
+def request(model: str, prompt: list[int], max_tokens: int = MAX_TOKENS, **sampling: object) -> dict:
+    """A greedy completion body that returns token ids."""
+    return {"model": model, "prompt": prompt, "temperature": 0, "return_token_ids": True,
+            "max_tokens": max_tokens, **sampling}  # fmt: skip
+
+
+def prefill_leg(prefill: Server, body: dict) -> dict:
+    """The router's first leg: prefill with ``do_remote_decode`` and ``max_tokens 1``; the params for decode."""
     first = prefill.complete({**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     params = first["kv_transfer_params"]
-    assert params and params["do_remote_prefill"] and first["choices"][0]["prompt_token_ids"] == prompt
-    return decode.complete({**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": params})
+    assert params and params["do_remote_prefill"] and first["choices"][0]["prompt_token_ids"] == body["prompt"]
+    return params
+
+
+def disaggregated(
+    prefill: Server, decode: Server, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS, **sampling: object
+) -> dict:
+    """The router's flow: prefill with ``do_remote_decode`` and ``max_tokens 1``, then decode with the returned
+    ``kv_transfer_params``; decode's whole completion."""
+    body = request(model, prompt, max_tokens, **sampling)
+    return decode.complete({**body, "kv_transfer_params": prefill_leg(prefill, body)})

@@ -1,4 +1,3 @@
-
 import pytest
 
 from tests.support.ports import free_port_range

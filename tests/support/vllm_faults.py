@@ -1,0 +1,187 @@
+"""What the real-engine fault cases (tests/e2e/test_engine_faults.py) use beside the servers: a streamed completion
+a client can drop, the PD proxy recipe as a process, a prefill/decode pair started for faults, and the prompts.
+
+The fault pair differs from the session pair in two flags only: decode's KV cache holds ``KV_CACHE_TOKENS``
+(so requests wait for blocks), and both sides lease for ``LEASE_S`` and wait at most ``TIMEOUT_S`` (so a queue
+wait outlives a lease, and a killed prefill fails a load, within seconds).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from tests.support.ports import free_port
+from tests.support.scenarios import MAX_TOKENS, ids
+from tests.support.vllm_servers import CORE, START_S, Server, glm_pd_config
+
+T = TypeVar("T")
+
+LEASE_S = 4.0  # prefill holds a finished request's blocks this long unless decode renews the lease
+TIMEOUT_S = 15.0  # decode's bound on each answer it awaits: a killed prefill fails its load within it
+KV_CACHE_TOKENS = 4096  # decode's cache: two long streams leave no room for a third long prompt
+TOKEN_BYTES = 3 * 1152  # the tiny model's KV per token: 3 layers x one bf16 latent row (512 + 64) x 2 B
+PROXY = Path(__file__).parents[2] / "recipes" / "router" / "pd_proxy.py"
+
+# Prompts (seeds of their own: none shares a prefix with another, or with tests/support/scenarios.py, unless meant).
+PREFIX = ids(1024, 2001)  # decode keeps it cached while HEALTHY streams
+HEALTHY, HEALTHY_TOKENS = PREFIX + ids(64, 2002), 400  # streams while a load that shares its prefix fails
+SHARER = PREFIX + ids(96, 2003)  # that load's prompt; retried once the case is over
+FILLERS, FILLER_TOKENS = [ids(1100, 2005), ids(1100, 2006)], 600  # two running streams holding most of the cache
+BLOCKED = ids(1950, 2007)  # finds too few free blocks while both fillers run
+HOLDERS = [ids(1100, 2010), ids(1100, 2011)]  # hold decode's blocks while their loads wait on a frozen prefill
+LATE = ids(1950, 2004)  # waits for blocks longer than LEASE_S
+LOADED = ids(300, 2012)  # loads while its client goes away
+KILLED = ids(300, 2013)  # loads while its prefill is killed
+
+# (name, prompt, max_tokens) the reference pair runs beside tests/support/scenarios.RUNS, greedy with ignore_eos.
+FAULT_RUNS = [("healthy", HEALTHY, HEALTHY_TOKENS), ("sharer", SHARER, MAX_TOKENS), ("late", LATE, MAX_TOKENS)]
+
+
+def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], timeout_s: float, what: str) -> T:
+    """Poll ``probe`` until ``ok`` holds; the last value is in the failure message."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s; last {value!r}")
+        time.sleep(0.1)
+
+
+class Stream:
+    """One streamed ``/v1/completions`` read on a thread. ``close`` drops the connection, as a client that goes
+    away does; the server sees the disconnect and aborts the request."""
+
+    def __init__(self, url: str, body: dict, timeout_s: float = 180) -> None:
+        parts = urlsplit(url)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.closed = False
+        self.done = threading.Event()
+        self._conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+        self._body = json.dumps({**body, "stream": True}).encode()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            self._conn.request("POST", "/v1/completions", self._body, {"content-type": "application/json"})
+            resp = self._conn.getresponse()
+            if resp.status != 200:
+                self.error = f"HTTP {resp.status}: {resp.read()[:500]!r}"
+                return
+            while line := resp.readline():
+                data = line.strip().removeprefix(b"data: ")
+                if not data or data == b"[DONE]" or not line.startswith(b"data: "):
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    self.error = str(chunk["error"])[:500]
+                    continue
+                choice = chunk["choices"][0]
+                self.tokens.extend(choice.get("token_ids") or [])
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            if not self.closed:
+                self.error = repr(exc)
+        finally:
+            self.done.set()
+
+    def close(self) -> None:
+        self.closed = True
+        if self._conn.sock is not None:
+            self._conn.sock.shutdown(socket.SHUT_RDWR)
+        self._conn.close()
+
+    def result(self, timeout_s: float) -> Stream:
+        assert self.done.wait(timeout_s), f"stream still open after {timeout_s:g} s ({len(self.tokens)} tokens)"
+        return self
+
+
+@contextmanager
+def proxy(prefill: Server, decode: Server, log_dir: Path) -> Iterator[str]:
+    """recipes/router/pd_proxy.py in a process of its own in front of one prefill and one decode; its URL."""
+    port = free_port()
+    cmd = [sys.executable, str(PROXY), "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)]
+    with (log_dir / "pd_proxy.log").open("a") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"pd_proxy did not start ({proc.poll()}); see {log_dir}/pd_proxy.log") from exc
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+class FaultPair:
+    """A prefill and a decode started for the fault cases. A case that killed one (or whose bug killed one) leaves
+    it dead; ``ensure`` starts it again before the next case, so each case starts from serving engines."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self.model, self.log_dir = model, log_dir
+        self.starts = {"prefill": 0, "decode": 0}
+        self.servers = {role: self._start(role) for role in self.starts}
+        self._wait()
+
+    @property
+    def prefill(self) -> Server:
+        return self.servers["prefill"]
+
+    @property
+    def decode(self) -> Server:
+        return self.servers["decode"]
+
+    def _start(self, role: str) -> Server:
+        self.starts[role] += 1
+        name = f"fault-{role}-{self.starts[role]}"
+        timing = {"lease_s": LEASE_S, "timeout_s": TIMEOUT_S}
+        if role == "prefill":
+            side = {"side_channel_host": "127.0.0.1", "side_channel_port": free_port()}
+            config = glm_pd_config("kv_producer", **side, **timing)
+            return Server(name, self.model, self.log_dir, "--kv-transfer-config", config,
+                          env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]})  # fmt: skip
+        config = glm_pd_config("kv_consumer", **timing)
+        return Server(name, self.model, self.log_dir, "--kv-transfer-config", config, "--enable-prompt-tokens-details",
+                      env={"VLLM_CPU_OMP_THREADS_BIND": CORE["decode"]},
+                      kv_cache_bytes=KV_CACHE_TOKENS * TOKEN_BYTES)  # fmt: skip
+
+    def _wait(self) -> None:
+        deadline = time.monotonic() + START_S
+        for server in self.servers.values():
+            server.wait_ready(deadline)
+
+    def ensure(self) -> None:
+        dead = [role for role, server in self.servers.items() if not server.engine_alive()]
+        for role in dead:
+            self.servers[role].stop()
+            self.servers[role] = self._start(role)
+        if dead:
+            self._wait()
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
