@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from glm_pd_common.handoff import loads
 from tests.support.vllm_engine import Engine
 
 _out = threading.Lock()
@@ -174,7 +175,7 @@ class Serving:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("glm_pd_common.handoff.decode_service").addHandler(_HookEvents())
+    logging.getLogger(loads.__name__).addHandler(_HookEvents())  # where the decode service's test hooks log
     serving = Serving(json.loads(sys.argv[1]))
     commands: queue.SimpleQueue[dict | None] = queue.SimpleQueue()
 
