@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVManager
@@ -32,6 +33,7 @@ from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.layout import checksum
 from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.layout.memory import reader_for
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.transport.base import Span, TransportConfig, create_transport
 from glm_pd_sglang import wire
@@ -127,6 +129,7 @@ class GlmPdKVManager(CommonKVManager):
             self.caches.regions,
             transport,
             PeerShape(self.caches.page_tokens, self.attn_tp_size, self.attn_tp_rank),
+            reader_for((r.mem_kind for r in self.caches.regions), torch),
         )
         self.transport = transport
         logger.info("glm-pd %s rank %s: %s", mode, self.attn_tp_rank, transport.info().data_path)
@@ -251,7 +254,7 @@ class GlmPdKVManager(CommonKVManager):
         if self.corrupt_next_room == room and pages.size:
             self.corrupt_next_room = None
             region = self.caches.regions[-1]
-            checksum.flip_byte(region.base_addr + int(pages[-1]) * region.page_stride)
+            checksum.flip_byte(region, int(pages[-1]) * region.page_stride, self.endpoint.memory)
         if sent is None:
             return "glm-pd checksum verification is on, but prefill sent no digests (is it verifying too?)"
         mine = self._region_digests(pages)
@@ -263,7 +266,7 @@ class GlmPdKVManager(CommonKVManager):
         return None
 
     def _region_digests(self, pages: np.ndarray) -> list[tuple[str, int]]:
-        return [(r.name, checksum.region_pages_digest(r, pages)) for r in self.caches.regions]
+        return [(r.name, checksum.region_pages_digest(r, pages, self.endpoint.memory)) for r in self.caches.regions]
 
     # -- prefill: registration, rooms, aborts --------------------------------------------------------
     def _prefill_loop(self) -> None:

@@ -18,6 +18,7 @@ from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, RemoteP
 from glm_pd_common.handoff.peer import Endpoint
 from glm_pd_common.handoff.prefill_service import PrefillService
 from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.layout.memory import reader_for
 from glm_pd_common.layout.pages import block_pages
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
@@ -96,6 +97,7 @@ class GlmPdWorker:
             regions,
             self.transport,
             PeerShape(regions[0].page_tokens, self.tp_size, self.tp_rank, pages_per_block=self.pages_per_block),
+            reader_for((r.mem_kind for r in regions), torch),
         )
         if self.is_producer:
             self.prefill = PrefillService(

@@ -226,7 +226,7 @@ class DecodeService:
                 handoff.advance(HandoffState.TRANSFERRING)
                 self._pull(peer, plan, result, job)
                 if job.test_fault == "corrupt":
-                    flip_byte(moved_byte(plan))
+                    flip_byte(*moved_byte(plan), self.local.memory)
                 if claim.digests is not None:
                     self._verify(peer, plan, claim.digests, job.lease_id)
                 stall(job, "stall_before_release")
@@ -298,7 +298,7 @@ class DecodeService:
             query = protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=request_id, region_indices=regions)
             return self._ask(peer, query, request_id, (protocol.PageDigests,)).pages
 
-        check_landed(plan, digests, page_digests_of)
+        check_landed(plan, digests, page_digests_of, self.local.memory)
 
     def _release(self, remote: RemotePrefill, group: list[int], request_id: str, fault: str = "") -> None:
         """Confirm to every prefill rank holding this request; the source rank's answer decides."""

@@ -14,6 +14,7 @@ from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from glm_pd_common.layout.fingerprint import PeerShape, check_shape, require_match
 from glm_pd_common.layout.formats import main_page_format
+from glm_pd_common.layout.memory import HOST, MemoryReader
 from glm_pd_common.layout.pages import INT64_MAX
 from glm_pd_common.layout.regions import Region, plan_order
 from glm_pd_common.layout.spec import CacheSpec
@@ -63,6 +64,7 @@ class Endpoint:
     regions: list[Region]
     transport: Transport
     shape: PeerShape
+    memory: MemoryReader = HOST  # how digests read the regions (device memory needs the adapter's reader)
 
     def hello(self, agent_metadata: bytes) -> protocol.Hello:
         return make_hello(

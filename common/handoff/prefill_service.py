@@ -201,7 +201,7 @@ class PrefillService:
             plan = self._plans.get((ident, msg.request_id))
             known = len(plan.entries) if plan is not None else 0
             wanted = [i for i in msg.region_indices if 0 <= i < known][:MAX_PAGE_QUERIES]
-            pages = {i: page_digests(plan, i, "src") for i in wanted} if plan is not None else {}
+            pages = {i: page_digests(plan, i, "src", self.local.memory) for i in wanted} if plan is not None else {}
             self.server.send(ident, protocol.PageDigests(v=PROTOCOL_VERSION, request_id=msg.request_id, pages=pages))
 
     def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
@@ -323,9 +323,13 @@ class PrefillService:
             code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
             self._fail(ident, msg.request_id, str(exc), code)
             return
+        try:
+            digests = plan_digests(plan, "src", self.local.memory) if msg.verify else None
+        except GlmPdError as exc:  # memory this rank cannot read: decode's verification cannot be served
+            self._fail(ident, msg.request_id, str(exc), "digest")
+            return
         if msg.verify:
             self._plans[ident, msg.request_id] = plan
-        digests = plan_digests(plan, "src") if msg.verify else None
         self.server.send(
             ident,
             protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id, digests=digests),

@@ -1,64 +1,71 @@
-"""xxh3-64 digests of the bytes a plan moves, read straight from memory by address.
+"""xxh3-64 digests of the bytes a plan moves.
 
 Both sides hash the same runs in the same (plan) order, so one digest per region pair compares the source
-bytes with what landed. On a mismatch, per-page digests of that one region name the first bad page.
+bytes with what landed. On a mismatch, per-page digests of that one region name the first bad page. The
+bytes are read through a ``MemoryReader`` (``memory``): host memory directly, device memory staged to the
+host first, so a digest never dereferences a device address from the CPU.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 
 import numpy as np
 import xxhash
 
 from glm_pd_common.errors import ChecksumMismatch
+from glm_pd_common.layout.memory import HOST, MemoryReader
 from glm_pd_common.layout.plan import RegionRuns, TransferPlan
 from glm_pd_common.layout.regions import Region
 
 
-def _view(addr: int, length: int) -> memoryview:
-    """A zero-copy view of host memory; the caller guarantees the range lies in a registered region."""
-    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
-
-
-def digest_runs(base_addr: int, offsets: np.ndarray, lengths: np.ndarray) -> int:
+def digest_runs(region: Region, offsets: np.ndarray, lengths: np.ndarray, memory: MemoryReader = HOST) -> int:
     h = xxhash.xxh3_64()
-    for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
-        h.update(_view(base_addr + off, n))
+    for chunk in memory.chunks(region, offsets, lengths):
+        h.update(chunk)
     return h.intdigest()
 
 
-def _side(entry: RegionRuns, side: str) -> tuple[int, np.ndarray]:
+def _side(entry: RegionRuns, side: str) -> tuple[Region, np.ndarray]:
     if side == "src":
-        return entry.src.base_addr, entry.src_offsets
+        return entry.src, entry.src_offsets
     if side == "dst":
-        return entry.dst.base_addr, entry.dst_offsets
+        return entry.dst, entry.dst_offsets
     raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
 
 
-def plan_digests(plan: TransferPlan, side: str) -> list[int]:
+def plan_digests(plan: TransferPlan, side: str, memory: MemoryReader = HOST) -> list[int]:
     """One digest per region pair of the plan, over that side's bytes."""
     out = []
     for entry in plan.entries:
-        base, offsets = _side(entry, side)
-        out.append(digest_runs(base, offsets, entry.lengths))
+        region, offsets = _side(entry, side)
+        out.append(digest_runs(region, offsets, entry.lengths, memory))
     return out
 
 
-def page_digests(plan: TransferPlan, entry_index: int, side: str) -> list[int]:
+def page_digests(plan: TransferPlan, entry_index: int, side: str, memory: MemoryReader = HOST) -> list[int]:
     """Per destination page of one region pair: a digest of the bytes that land in that page."""
     entry = plan.entries[entry_index]
     fmt, chunks = entry.src.page_format, plan.chunks
     src, dst, lengths = plan.chunk_runs(entry)
-    base, _ = _side(entry, side)
+    region, _ = _side(entry, side)
     offsets = src if side == "src" else dst
     segments = len(fmt.segment_bytes_per_token)
     page_of_run = np.tile(chunks.dst_page_index, segments)
     order = np.argsort(page_of_run, kind="stable")
+    # the runs, page by page, read as one stream: cut it where each page's bytes end
+    per_page = np.bincount(page_of_run[order], weights=lengths[order], minlength=plan.dst_pages.size)
+    page_ends = np.cumsum(per_page.astype(np.int64))
     hashers = [xxhash.xxh3_64() for _ in range(plan.dst_pages.size)]
-    for i in order.tolist():
-        hashers[int(page_of_run[i])].update(_view(base + int(offsets[i]), int(lengths[i])))
+    pos, page = 0, 0
+    for chunk in memory.chunks(region, offsets[order], lengths[order]):
+        at = 0
+        while at < len(chunk):
+            while page_ends[page] <= pos:
+                page += 1
+            take = min(len(chunk) - at, int(page_ends[page]) - pos)
+            hashers[page].update(chunk[at : at + take])
+            at, pos = at + take, pos + take
     return [h.intdigest() for h in hashers]
 
 
@@ -66,16 +73,25 @@ MAX_PAGE_QUERIES = 8  # regions whose per-page digests decode asks for, and pref
 
 
 def check_landed(
-    plan: TransferPlan, expected: list[int], page_digests_of: Callable[[list[int]], dict[int, list[int]]]
+    plan: TransferPlan,
+    expected: list[int],
+    page_digests_of: Callable[[list[int]], dict[int, list[int]]],
+    memory: MemoryReader = HOST,
 ) -> None:
     """The digest exchange, decode's side: compare what landed with the source's region digests; on a
     mismatch ask the source (``page_digests_of``) for per-page digests of the differing regions, so the
     error names the first bad page. Both replies come from the peer and are checked before use."""
-    bad = mismatched_regions(plan, expected)
-    verify(plan, expected, remote_pages=page_digests_of(bad[:MAX_PAGE_QUERIES]) if bad else None)
+    bad = mismatched_regions(plan, expected, memory)
+    verify(plan, expected, remote_pages=page_digests_of(bad[:MAX_PAGE_QUERIES]) if bad else None, memory=memory)
 
 
-def verify(plan: TransferPlan, expected: list[int], *, remote_pages: dict[int, list[int]] | None = None) -> None:
+def verify(
+    plan: TransferPlan,
+    expected: list[int],
+    *,
+    remote_pages: dict[int, list[int]] | None = None,
+    memory: MemoryReader = HOST,
+) -> None:
     """Compare the destination's bytes with the source's digests; raise naming layer, kind and page.
 
     ``remote_pages`` optionally holds the source's per-page digests of regions already known to differ,
@@ -88,13 +104,13 @@ def verify(plan: TransferPlan, expected: list[int], *, remote_pages: dict[int, l
                 f"peer sent per-page digests for region {index}: {len(pages)} digests; the plan has "
                 f"{len(plan.entries)} regions of {plan.dst_pages.size} destination pages"
             )
-    local = plan_digests(plan, "dst")
+    local = plan_digests(plan, "dst", memory)
     for index, (entry, got, want) in enumerate(zip(plan.entries, local, expected, strict=True)):
         if got == want:
             continue
         where = f"layer {entry.dst.layer_id} {entry.dst.kind} region"
         if remote_pages and index in remote_pages:
-            mine = page_digests(plan, index, "dst")
+            mine = page_digests(plan, index, "dst", memory)
             bad = [i for i, (a, b) in enumerate(zip(mine, remote_pages[index], strict=True)) if a != b]
             if bad:
                 page = int(plan.dst_pages[bad[0]])
@@ -105,10 +121,10 @@ def verify(plan: TransferPlan, expected: list[int], *, remote_pages: dict[int, l
         raise ChecksumMismatch(f"checksum mismatch in {where}: digest {got:#018x}, source sent {want:#018x}")
 
 
-def mismatched_regions(plan: TransferPlan, expected: list[int]) -> list[int]:
+def mismatched_regions(plan: TransferPlan, expected: list[int], memory: MemoryReader = HOST) -> list[int]:
     """Indices of region pairs whose destination bytes differ from the source digests."""
     _check_counts(plan, expected)
-    return [i for i, (a, b) in enumerate(zip(plan_digests(plan, "dst"), expected, strict=True)) if a != b]
+    return [i for i, (a, b) in enumerate(zip(plan_digests(plan, "dst", memory), expected, strict=True)) if a != b]
 
 
 def _check_counts(plan: TransferPlan, expected: list[int]) -> None:
@@ -122,20 +138,19 @@ def _source_page(plan: TransferPlan, dst_page_index: int) -> int:
     return int(plan.src_pages[plan.chunks.src_page_index[hit[0]]])
 
 
-def moved_byte(plan: TransferPlan) -> int:
-    """The address of a destination byte the plan writes (the last byte of its last run): a flip there is
-    always among the bytes a check compares, whatever the page sizes and prefix."""
+def moved_byte(plan: TransferPlan) -> tuple[Region, int]:
+    """A destination byte the plan writes (the last byte of its last run), as region and offset: a flip there
+    is always among the bytes a check compares, whatever the page sizes and prefix."""
     entry = next(e for e in reversed(plan.entries) if e.num_runs)
-    return entry.dst.base_addr + int(entry.dst_offsets[-1]) + int(entry.lengths[-1]) - 1
+    return entry.dst, int(entry.dst_offsets[-1]) + int(entry.lengths[-1]) - 1
 
 
-def flip_byte(addr: int) -> None:
+def flip_byte(region: Region, offset: int, memory: MemoryReader = HOST) -> None:
     """Test hook (fault matrix, demo, SGLang's corrupt_next_room): invert one byte of registered memory."""
-    byte = ctypes.c_uint8.from_address(addr)
-    byte.value ^= 0xFF
+    memory.flip(region, offset)
 
 
-def region_pages_digest(region: Region, pages: np.ndarray) -> int:
+def region_pages_digest(region: Region, pages: np.ndarray, memory: MemoryReader = HOST) -> int:
     """One digest of a region's listed pages, whole and in list order.
 
     When both sides copy whole pages of equal size (SGLang's contract), source and destination digests over
@@ -147,5 +162,5 @@ def region_pages_digest(region: Region, pages: np.ndarray) -> int:
     if region.page_stride == region.page_bytes:
         starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
         lengths = np.diff(np.append(starts, ids.size)) * region.page_bytes
-        return digest_runs(region.base_addr, ids[starts] * region.page_stride, lengths)
-    return digest_runs(region.base_addr, ids * region.page_stride, np.full(ids.size, region.page_bytes))
+        return digest_runs(region, ids[starts] * region.page_stride, lengths, memory)
+    return digest_runs(region, ids * region.page_stride, np.full(ids.size, region.page_bytes), memory)

@@ -22,6 +22,7 @@ from importlib import metadata as pkg_metadata
 from glm_pd_common.errors import GlmPdError
 from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, installed
 from glm_pd_common.transport.base import rdma_devices
+from glm_pd_common.transport.mooncake import gpu_memory_refusal, installed_wheel
 
 _NO_TORCH_NIXL = "without torch: pip install pyzmq, then pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 
@@ -62,17 +63,9 @@ def check_transports() -> list[Check]:
             f"{install_hint('nixl')} (its nixl-cu12 pulls torch; {_NO_TORCH_NIXL})",
         )
     )
-    mc = _version("mooncake-transfer-engine-non-cuda") or _version("mooncake-transfer-engine")
-    if mc and installed("mooncake"):
-        verbs = ctypes.util.find_library("ibverbs")
-        out.append(
-            Check(
-                "PASS",
-                "mooncake",
-                f"mooncake transfer engine {mc}, libibverbs {'found' if verbs else 'MISSING'}",
-                "" if verbs else "apt-get install libibverbs1",
-            )
-        )
+    wheel = installed_wheel()
+    if wheel and installed("mooncake"):
+        out.append(check_mooncake_wheel(wheel, gpus_visible=bool(_gpus())))
     else:
         out.append(
             Check(
@@ -83,6 +76,27 @@ def check_transports() -> list[Check]:
             )
         )
     return out
+
+
+def check_mooncake_wheel(wheel: tuple[str, str], *, gpus_visible: bool) -> Check:
+    """The Mooncake wheel must match the node: the non-CUDA build cannot register the GPU caches."""
+    verbs = ctypes.util.find_library("ibverbs")
+    detail = f"{wheel[0]} {wheel[1]}, libibverbs {'found' if verbs else 'MISSING'}"
+    refusal = gpu_memory_refusal(wheel)
+    if gpus_visible and refusal is not None:
+        return Check("FAIL", "mooncake", f"{detail}; GPUs are visible, but {refusal.split('; ')[0]}", refusal)
+    if not verbs:
+        return Check("FAIL", "mooncake", detail, "apt-get install libibverbs1")
+    return Check("PASS", "mooncake", detail + ("" if refusal is None else " (host memory only: no GPUs here)"))
+
+
+def _gpus() -> list[str]:
+    """GPUs the NVIDIA driver lists (none without ``nvidia-smi``)."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    res = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    return [ln for ln in res.stdout.splitlines() if ln.startswith("GPU")]
 
 
 def check_rdma() -> list[Check]:
@@ -165,10 +179,8 @@ def check_ucx_path() -> list[Check]:
 
 def check_gpus() -> list[Check]:
     out = []
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        res = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-        gpus = [ln for ln in res.stdout.splitlines() if ln.startswith("GPU")]
+    if shutil.which("nvidia-smi"):
+        gpus = _gpus()
         out.append(
             Check(
                 "PASS" if gpus else "WARN",

@@ -110,10 +110,20 @@ def tcp_refusal(backend: str, why: str) -> ConfigError:
     )
 
 
-def check_within(addrs: np.ndarray, lengths: np.ndarray, spans: Sequence[Span], *, where: str) -> None:
-    """Refuse any run that is not wholly inside one span (vectorized: no per-run Python loop)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one side's runs of a batch live. NIXL describes every run with its memory kind and the device it
+    was registered on: a descriptor naming another device than its registration is not found."""
+
+    mem_kind: str
+    device_ids: np.ndarray  # one per run, uint64
+
+
+def place_runs(addrs: np.ndarray, lengths: np.ndarray, spans: Sequence[Span], *, where: str) -> Placement:
+    """Refuse any run that is not wholly inside one span, else say where each lives (vectorized: no per-run
+    Python loop). One batch is one memory kind per side, as the libraries take it."""
     if addrs.size == 0:
-        return
+        return Placement("DRAM", np.zeros(0, dtype=np.uint64))
     if not spans:
         raise TransferFailed(f"{where}: no registered regions to check {addrs.size} runs against")
     ordered = sorted(spans, key=lambda s: s.base_addr)
@@ -129,6 +139,12 @@ def check_within(addrs: np.ndarray, lengths: np.ndarray, spans: Sequence[Span], 
             f"{where}: run {bad} [{int(addrs[bad]):#x}, +{int(lengths[bad])}) is outside every registered region "
             f"(nearest {near}); refused before posting"
         )
+    used = np.unique(idx)
+    kinds = sorted({ordered[i].mem_kind for i in used})
+    if len(kinds) > 1:
+        raise TransferFailed(f"{where}: one batch spans memory kinds {', '.join(kinds)}; post each kind apart")
+    devices = np.array([s.device_id for s in ordered], dtype=np.uint64)
+    return Placement(kinds[0], devices[idx])
 
 
 def describe_entries(entries: Sequence[RegionRuns]) -> str:
@@ -164,8 +180,15 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def _post(
-        self, xfer: Transfer, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, notif: bytes | None
-    ) -> None: ...
+        self,
+        xfer: Transfer,
+        local: np.ndarray,
+        remote: np.ndarray,
+        lengths: np.ndarray,
+        notif: bytes | None,
+        places: tuple[Placement, Placement],
+    ) -> None:
+        """Post the checked runs; ``places`` says where the local and the remote runs live."""
 
     @abc.abstractmethod
     def _poll(self, xfer: Transfer) -> bool: ...
@@ -191,14 +214,6 @@ class Transport(abc.ABC):
         """Register cache regions or plain spans (an engine's metadata buffers travel too)."""
         self._register(regions)
         self._local.extend(Span(r.name, r.base_addr, r.size_bytes, r.mem_kind, r.device_id) for r in regions)
-
-    def mem_kind_at(self, addr: int, peer: str | None = None) -> str:
-        """The memory kind of the registered span holding ``addr`` (local, or the peer's announced spans)."""
-        spans = self._local if peer is None else self._remote.get(peer, [])
-        for s in spans:
-            if s.base_addr <= addr < s.base_addr + max(s.size_bytes, 1):
-                return s.mem_kind
-        return "DRAM"
 
     def metadata(self) -> bytes:
         """This agent's metadata, framed with its backend, name and digest for a peer's ``add_peer``."""
@@ -244,11 +259,13 @@ class Transport(abc.ABC):
         lens = np.ascontiguousarray(lengths, dtype=np.int64)
         if not local.shape == remote.shape == lens.shape:
             raise ValueError("local, remote and length arrays must have one shape")
-        check_within(local, lens, self._local, where=f"{self.backend} {op} {what} local side")
-        check_within(remote, lens, self._remote[peer], where=f"{self.backend} {op} {what} on peer {peer}")
+        places = (
+            place_runs(local, lens, self._local, where=f"{self.backend} {op} {what} local side"),
+            place_runs(remote, lens, self._remote[peer], where=f"{self.backend} {op} {what} on peer {peer}"),
+        )
         xfer = Transfer(peer, op, int(lens.size), int(lens.sum()), what)
         try:
-            self._post(xfer, local, remote, lens, notif)
+            self._post(xfer, local, remote, lens, notif, places)
         except TransferFailed:
             raise
         except Exception as exc:

@@ -9,6 +9,9 @@ Facts this module is built on (checked with mooncake-transfer-engine 0.3.13.post
 - Transfers return -1 on failure rather than raising; every return code is checked.
 - There is no non-blocking status for multi-descriptor batches, so a batch runs on a worker thread (the
   calls release the GIL) and ``poll`` checks that thread.
+- Two wheels install the same ``mooncake`` module: ``mooncake-transfer-engine`` (built with CUDA) and
+  ``mooncake-transfer-engine-non-cuda``. Only the first can register GPU memory, so VRAM regions are refused
+  under the second before anything is registered, with the fix.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from importlib import metadata as pkg_metadata
 
 import numpy as np
 
-from glm_pd_common.errors import TransferFailed
+from glm_pd_common.errors import ConfigError, TransferFailed
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.transport.base import (
+    Placement,
     Span,
     Transfer,
     Transport,
@@ -34,6 +38,7 @@ from glm_pd_common.transport.base import (
 )
 
 BATCH_DESCRIPTORS = 16_384
+CUDA_WHEEL, HOST_WHEEL = "mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"
 _QUEUE_LIMIT = "65535"
 
 
@@ -45,6 +50,24 @@ def _prepare_environment(force_tcp: bool, timeout_s: float) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     if force_tcp:
         os.environ["MC_FORCE_TCP"] = "1"
+
+
+def installed_wheel() -> tuple[str, str] | None:
+    """The distribution that provides the ``mooncake`` module, and its version (None when none does)."""
+    for dist in pkg_metadata.packages_distributions().get("mooncake", []):
+        if dist in (CUDA_WHEEL, HOST_WHEEL):
+            return dist, pkg_metadata.version(dist)
+    return None
+
+
+def gpu_memory_refusal(wheel: tuple[str, str] | None) -> str | None:
+    """Why this Mooncake install cannot register GPU memory, with the fix; None when it can."""
+    if wheel is None or wheel[0] != HOST_WHEEL:
+        return None
+    return (
+        f"Mooncake is installed from {HOST_WHEEL} {wheel[1]}, which cannot register GPU memory; on GPU nodes "
+        f"install the CUDA build: pip uninstall -y {HOST_WHEEL} && pip install {CUDA_WHEEL}=={wheel[1]}"
+    )
 
 
 class MooncakeTransport(Transport):
@@ -75,6 +98,10 @@ class MooncakeTransport(Transport):
         self._registered: list[int] = []
 
     def _register(self, regions: Sequence[Region | Span]) -> None:
+        device = next((r for r in regions if r.mem_kind != "DRAM"), None)
+        refusal = gpu_memory_refusal(installed_wheel()) if device is not None else None
+        if device is not None and refusal is not None:
+            raise ConfigError(f"region {device.name} is {device.mem_kind}: {refusal}")
         for r in regions:
             if r.size_bytes == 0:
                 continue  # Mooncake refuses zero-length registrations; nothing would move there anyway
@@ -98,8 +125,14 @@ class MooncakeTransport(Transport):
         self._peers.pop(agent_name, None)
 
     def _post(
-        self, xfer: Transfer, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, notif: bytes | None
-    ) -> None:
+        self,
+        xfer: Transfer,
+        local: np.ndarray,
+        remote: np.ndarray,
+        lengths: np.ndarray,
+        notif: bytes | None,
+        places: tuple[Placement, Placement],
+    ) -> None:  # Mooncake finds each address's segment itself
         session = self._peers[xfer.peer]
         xfer.handle = self._pool.submit(self._run_batches, xfer, session, local, remote, lengths, notif)
 

@@ -17,6 +17,7 @@ import numpy as np
 from glm_pd_common.errors import TransferFailed
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.transport.base import (
+    Placement,
     Span,
     Transfer,
     Transport,
@@ -95,16 +96,20 @@ class NixlTransport(Transport):
             raise TransferFailed(f"NIXL metadata names agent {loaded!r}, the frame says {agent_name!r}")
 
     def _post(
-        self, xfer: Transfer, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, notif: bytes | None
+        self,
+        xfer: Transfer,
+        local: np.ndarray,
+        remote: np.ndarray,
+        lengths: np.ndarray,
+        notif: bytes | None,
+        places: tuple[Placement, Placement],
     ) -> None:
-        # One batch is one memory kind per side (a cache batch is VRAM, a metadata batch DRAM).
-        local_mem = self.mem_kind_at(int(local[0])) if local.size else "DRAM"
-        remote_mem = self.mem_kind_at(int(remote[0]), xfer.peer) if remote.size else "DRAM"
-        zeros = np.zeros_like(lengths)
-        local_descs = np.stack([local, lengths, zeros], axis=1).astype(np.uint64)
-        remote_descs = np.stack([remote, lengths, zeros], axis=1).astype(np.uint64)
-        local_h = self._agent.prep_xfer_dlist(_LOCAL, local_descs, local_mem)
-        remote_h = self._agent.prep_xfer_dlist(xfer.peer, remote_descs, remote_mem)
+        # Each descriptor names the device its region was registered on (a TP rank's GPU, not device 0).
+        here, there = places
+        local_descs = np.stack([local.astype(np.uint64), lengths.astype(np.uint64), here.device_ids], axis=1)
+        remote_descs = np.stack([remote.astype(np.uint64), lengths.astype(np.uint64), there.device_ids], axis=1)
+        local_h = self._agent.prep_xfer_dlist(_LOCAL, local_descs, here.mem_kind)
+        remote_h = self._agent.prep_xfer_dlist(xfer.peer, remote_descs, there.mem_kind)
         index = np.arange(lengths.size, dtype=np.int64)
         try:
             handle = self._agent.make_prepped_xfer(xfer.op, local_h, index, remote_h, index, notif_msg=notif or b"")

@@ -479,12 +479,12 @@ def test_digest_replies_are_checked_or_refused(landed, data, corrupt) -> None:
     plan = landed
     real = plan_digests(plan, "src")
     if corrupt:
-        flip_byte(moved_byte(plan))  # flipped back below: the fixture's memory is shared by every example
+        flip_byte(*moved_byte(plan))  # flipped back below: the fixture's memory is shared by every example
     try:
         check_replies(plan, real, corrupt, data)
     finally:
         if corrupt:
-            flip_byte(moved_byte(plan))
+            flip_byte(*moved_byte(plan))
 
 
 def check_replies(plan: TransferPlan, real: list[int], corrupt: bool, data: st.DataObject) -> None:

@@ -161,11 +161,6 @@ def test_failed_load_spares_a_stream_sharing_its_prefix(engines: dict, pair: Fau
     still_serves(engines, pair, offset)
 
 
-@pytest.mark.xfail(
-    reason="known defect (issue 14 note): the blockers' handshake with the frozen prefill can hold the decode lane "
-    "that also carries the fault prefill's renewals, so C's lease expires; renewals need a sender of their own",
-    strict=False,
-)
 def test_queue_wait_past_the_lease_is_kept_alive(engines: dict, pair: FaultPair) -> None:
     """Issue 14 item 7. Two requests hold most of decode's blocks while their loads wait on the session prefill,
     frozen; a third, prefilled by the fault prefill (lease LEASE_S), waits for blocks past its lease. Decode's
@@ -175,10 +170,12 @@ def test_queue_wait_past_the_lease_is_kept_alive(engines: dict, pair: FaultPair)
     holder_prefill, decode, model = engines["prefill"], pair.decode, engines["model"]
     crowded(decode, held=sum(map(len, HOLDERS)), waiting=len(LATE))
     offset = decode.log_size()
-    late_body = request(model, LATE, ignore_eos=True)
-    late_params = prefill_leg(pair.prefill, late_body)  # its lease starts now
     bodies = [request(model, p, 1, ignore_eos=True) for p in HOLDERS]
     params = [prefill_leg(holder_prefill, b) for b in bodies]
+    # C's lease starts when its prefill leg ends and only decode can renew it, so C reaches decode right after
+    # the holders (prefilled before them, it spent their prefill time, longer than a lease, unrenewed)
+    late_body = request(model, LATE, ignore_eos=True)
+    late_params = prefill_leg(pair.prefill, late_body)
     holder_prefill.signal(signal.SIGSTOP)
     try:
         holders = [Stream(decode.url, {**b, "kv_transfer_params": p}) for b, p in zip(bodies, params, strict=True)]

@@ -1,0 +1,144 @@
+"""How digests read the bytes of a region: host memory through a view, device memory staged to the host.
+
+A digest must never dereference a device address from the CPU (on VRAM that is a segfault, not an error).
+``HostMemory`` reads DRAM and refuses anything else by name; ``StagedMemory`` copies device runs into a host
+buffer, many runs per copy, and hashes them there, so a digest of a region is the same number whichever
+memory holds it and whichever peer computes it. The copy itself comes from the engine's process: the core
+never imports torch, so an adapter hands its ``torch`` module to ``cuda_copier``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from glm_pd_common.errors import ConfigError
+from glm_pd_common.layout.regions import Region
+
+# copy(region, byte_offsets, lengths) -> the runs' bytes concatenated in order, in host memory (valid until the
+# next call); the runs of one call add up to at most the reader's staging size
+Copier = Callable[[Region, np.ndarray, np.ndarray], memoryview]
+STAGING_BYTES = 64 << 20
+
+
+class MemoryReader(Protocol):
+    """Reads registered memory for digests (and the corruption test hook)."""
+
+    def chunks(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[memoryview]:
+        """The bytes of ``region``'s runs, concatenated in run order, as one or more host buffers."""
+        ...
+
+    def flip(self, region: Region, offset: int) -> None:
+        """Test hook: invert one byte of the region."""
+        ...
+
+    def can_read(self, mem_kind: str) -> bool: ...
+
+
+def _host_view(addr: int, length: int) -> memoryview:
+    """A zero-copy view of host memory; the caller guarantees the range lies in a registered region."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+class HostMemory:
+    """DRAM only: anything else is refused, naming the region and its memory."""
+
+    def can_read(self, mem_kind: str) -> bool:
+        return mem_kind == "DRAM"
+
+    def _check(self, region: Region) -> None:
+        if region.mem_kind != "DRAM":
+            raise ConfigError(
+                f"region {region.name} is {region.mem_kind} on device {region.device_id}: its digest cannot be read "
+                "through a host pointer, and this rank has no device reader (the adapter passes one when it runs "
+                "with torch on CUDA)"
+            )
+
+    def chunks(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[memoryview]:
+        self._check(region)
+        for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
+            yield _host_view(region.base_addr + off, n)
+
+    def flip(self, region: Region, offset: int) -> None:
+        self._check(region)
+        byte = ctypes.c_uint8.from_address(region.base_addr + offset)
+        byte.value ^= 0xFF
+
+
+HOST = HostMemory()
+
+
+class StagedMemory(HostMemory):
+    """DRAM as ``HostMemory``; device memory copied to the host (``copy``), as many runs per copy as fit in
+    ``staging_bytes``, so a region's digest costs one device-to-host copy per ``staging_bytes``. The
+    corruption test hook stays host-only: on device memory it is refused."""
+
+    def __init__(self, copy: Copier, *, staging_bytes: int = STAGING_BYTES) -> None:
+        self._copy = copy
+        self.staging_bytes = staging_bytes
+
+    def can_read(self, mem_kind: str) -> bool:
+        return True
+
+    def chunks(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[memoryview]:
+        if region.mem_kind == "DRAM":
+            yield from super().chunks(region, offsets, lengths)
+            return
+        offs, lens = _split_runs(offsets, lengths, self.staging_bytes)
+        ends = np.cumsum(lens)
+        start = 0
+        while start < lens.size:
+            stop = int(np.searchsorted(ends, (ends[start - 1] if start else 0) + self.staging_bytes, side="right"))
+            yield self._copy(region, offs[start:stop], lens[start:stop])
+            start = stop
+
+
+def _split_runs(offsets: np.ndarray, lengths: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut runs longer than ``limit`` bytes into pieces of at most ``limit`` (in order)."""
+    offsets, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    pieces = np.maximum((lengths + limit - 1) // limit, 1)
+    if np.all(pieces == 1):
+        return offsets, lengths
+    run = np.repeat(np.arange(lengths.size), pieces)
+    k = np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    return offsets[run] + k * limit, np.minimum(lengths[run] - k * limit, limit)
+
+
+class _DeviceBytes:
+    """A raw device range as the CUDA array interface describes it, so torch wraps it without a copy."""
+
+    def __init__(self, addr: int, length: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+def cuda_copier(torch: Any) -> Copier:
+    """A ``Copier`` over CUDA memory, built from the engine's ``torch`` module (the core imports no torch).
+
+    Each run is wrapped in place (no device copy) and copied into one pinned host buffer on the current
+    stream of the region's device; the stream is waited for before the bytes are handed out."""
+    host: list[Any] = []  # the pinned buffer, grown to the largest batch asked for
+
+    def copy(region: Region, offsets: np.ndarray, lengths: np.ndarray) -> memoryview:
+        total = int(lengths.sum())
+        if not host or host[0].numel() < total:
+            host[:] = [torch.empty(total, dtype=torch.uint8, pin_memory=True)]
+        device = torch.device("cuda", region.device_id)
+        with torch.cuda.device(device):
+            at = 0
+            for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
+                src = torch.as_tensor(_DeviceBytes(region.base_addr + off, n), device=device)
+                host[0][at : at + n].copy_(src, non_blocking=True)
+                at += n
+            torch.cuda.current_stream(device).synchronize()
+        return memoryview(host[0][:total].numpy())
+
+    return copy
+
+
+def reader_for(mem_kinds: Iterable[str], torch: Any) -> MemoryReader:
+    """What an adapter gives its endpoint: host reads when every region is DRAM, else device staging through
+    the engine's ``torch`` (called only when ``torch`` has CUDA: a CPU engine's regions are DRAM)."""
+    return HOST if all(kind == "DRAM" for kind in mem_kinds) else StagedMemory(cuda_copier(torch))

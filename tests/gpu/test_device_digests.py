@@ -1,0 +1,42 @@
+"""Digests of CUDA memory are staged to the host, never read through a host pointer (issue 15 item 3).
+
+Skipped without CUDA. Regions on the last visible GPU (device id > 0 where there are several): the staged digest
+of a region's pages must equal xxh3 over the same bytes copied by torch itself, with a staging buffer smaller
+than the pages so runs are cut and batched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import xxhash
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_staged_digest_of_vram_equals_the_bytes_digest() -> None:
+    from glm_pd_common.layout.checksum import region_pages_digest
+    from glm_pd_common.layout.geometry import ModelGeometry
+    from glm_pd_common.layout.memory import StagedMemory, cuda_copier, reader_for
+    from glm_pd_common.layout.spec import CacheSpec
+    from glm_pd_common.tools.hostmem import HostCaches
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
+    pages = 8
+    template = HostCaches(spec, page_tokens=64, num_pages=pages).regions[-2:]  # the MTP layer's main and indexer
+    tensors = [torch.randint(0, 256, (pages * r.page_stride,), dtype=torch.uint8, device=device) for r in template]
+    regions = [
+        dataclasses.replace(r, base_addr=t.data_ptr(), mem_kind="VRAM", device_id=device.index)
+        for r, t in zip(template, tensors, strict=True)
+    ]
+    assert isinstance(reader_for([r.mem_kind for r in regions], torch), StagedMemory)
+    staged = StagedMemory(cuda_copier(torch), staging_bytes=10_000)
+    chosen = np.array([7, 3, 4, 5, 0])
+    for region, tensor in zip(regions, tensors, strict=True):
+        host = tensor.view(pages, region.page_stride)[torch.as_tensor(chosen, device=device)].cpu().numpy()
+        want = xxhash.xxh3_64_intdigest(host[:, : region.page_bytes].tobytes())
+        assert region_pages_digest(region, chosen, staged) == want
