@@ -16,6 +16,7 @@ shared-prefix case needs decode's prefix caching, which vLLM turns off for MLA o
 
 import signal
 import time
+from functools import partial
 
 import pytest
 
@@ -37,6 +38,7 @@ from tests.support.vllm_faults import (
     TOKEN_BYTES,
     FaultPair,
     Stream,
+    frozen_mid_load,
     proxy,
     wait_for,
 )
@@ -108,20 +110,11 @@ def test_client_gone_while_its_load_runs(engines: dict, pair: FaultPair) -> None
     request's blocks until the connector reports the load over; the prefill thaws, the load ends, and decode frees
     them (it is idle with no block held after the fresh request)."""
     prefill, decode, model = engines["prefill"], pair.decode, engines["model"]
-    disaggregated(prefill, decode, model, SINGLE[FRESH])  # the handshake is done: the load below is in its claim
-    body = request(model, LOADED, ignore_eos=True)
-    params = prefill_leg(prefill, body)
-    offset = decode.log_size()
-    prefill.signal(signal.SIGSTOP)
-    try:
-        stream = Stream(decode.url, {**body, "kv_transfer_params": params})
-        wait_for(decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 10, "its load runs")
-        time.sleep(1)
+    thaw = partial(prefill.signal, signal.SIGCONT)
+    with frozen_mid_load(prefill, decode, model, LOADED, SINGLE[FRESH], thaw) as (stream, offset):
         stream.close()
         aborted = wait_for(decode.scheduler_state, lambda s: s["waiting"] == 0, 10, "decode aborted the request")
         assert aborted["kv_cache_usage"] > 0, "blocks a load may still write were freed"
-    finally:
-        prefill.signal(signal.SIGCONT)
     moved = decode.transfer_metrics(offset, loads=1)
     assert moved.get("loads_ok", 0) + moved.get("loads_failed", 0) == 1, moved  # the load ended, and was reported
     assert stream.tokens == []
@@ -198,18 +191,13 @@ def test_prefill_killed_mid_load(engines: dict, pair: FaultPair) -> None:
     """The fault prefill is killed while a load waits on it (after the claim was sent): decode fails that request
     within its timeout and serves the next one, from the session prefill. Last: later cases would restart it."""
     prefill, decode, model = pair.prefill, pair.decode, engines["model"]
-    disaggregated(prefill, decode, model, SINGLE[FRESH])  # the handshake is done: the load below is in its claim
-    body = request(model, KILLED, ignore_eos=True)
-    params = prefill_leg(prefill, body)
-    offset = decode.log_size()
-    prefill.signal(signal.SIGSTOP)
-    try:
-        stream = Stream(decode.url, {**body, "kv_transfer_params": params})
-        wait_for(decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 10, "its load runs")
-        time.sleep(1)
-    finally:
+
+    def kill() -> None:
         prefill.signal(signal.SIGKILL)
         prefill.proc.wait(30)
+
+    with frozen_mid_load(prefill, decode, model, KILLED, SINGLE[FRESH], kill) as (stream, offset):
+        pass
     stream.result(TIMEOUT_S + 30)
     assert stream.tokens == [] and (stream.error or stream.finish_reason not in ("length", "stop")), stream.error
     assert decode.transfer_metrics(offset, loads=1).get("loads_failed") == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from urllib.parse import urlsplit
 
 from tests.support.ports import free_port
 from tests.support.scenarios import MAX_TOKENS, ids
-from tests.support.vllm_servers import CORE, START_S, Server, glm_pd_config
+from tests.support.vllm_servers import CORE, START_S, Server, disaggregated, glm_pd_config, prefill_leg, request
 
 T = TypeVar("T")
 
@@ -135,6 +136,26 @@ def proxy(prefill: Server, decode: Server, log_dir: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@contextmanager
+def frozen_mid_load(
+    prefill: Server, decode: Server, model: str, prompt: list[int], fresh: list[int], release: Callable[[], None]
+) -> Iterator[tuple[Stream, int]]:
+    """A request whose load waits in its claim on ``prefill``, frozen (SIGSTOP) so its side channel stops
+    answering: yields the decode stream and decode's log offset; ``release`` (thaw or kill) runs on exit."""
+    disaggregated(prefill, decode, model, fresh)  # the handshake is done: the load below is in its claim
+    body = request(model, prompt, ignore_eos=True)
+    params = prefill_leg(prefill, body)
+    offset = decode.log_size()
+    prefill.signal(signal.SIGSTOP)
+    try:
+        stream = Stream(decode.url, {**body, "kv_transfer_params": params})
+        wait_for(decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 10, "its load runs")
+        time.sleep(1)
+        yield stream, offset
+    finally:
+        release()
 
 
 class FaultPair:
