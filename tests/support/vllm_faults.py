@@ -42,7 +42,8 @@ HEALTHY, HEALTHY_TOKENS = PREFIX + ids(64, 2002), 400  # streams while a load th
 SHARER = PREFIX + ids(96, 2003)  # that load's prompt; retried once the case is over
 FILLERS, FILLER_TOKENS = [ids(1100, 2005), ids(1100, 2006)], 600  # two running streams holding most of the cache
 BLOCKED = ids(1950, 2007)  # finds too few free blocks while both fillers run
-HOLDERS = [ids(1100, 2010), ids(1100, 2011)]  # hold decode's blocks while their loads wait on a frozen prefill
+# two streams holding decode's blocks until their clients go (900 tokens outlast a lease on any CPU seen here)
+HOLDERS, HOLDER_TOKENS = [ids(1100, 2010), ids(1100, 2011)], 900
 LATE = ids(1950, 2004)  # waits for blocks longer than LEASE_S
 LOADED = ids(300, 2012)  # loads while its client goes away
 KILLED = ids(300, 2013)  # loads while its prefill is killed
