@@ -16,6 +16,7 @@ from glm_pd_common.errors import GlmPdError
 from glm_pd_common.layout.cache_dtypes import DEFAULT_CACHE_DTYPE, ENGINES, row_format_for, row_formats_by_backend
 from glm_pd_common.layout.formats import main_row_format
 from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.hbm import GPU_HBM_GB
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, require_transport
 
@@ -86,6 +87,15 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--link-gbps", type=float, default=400.0, help="line rate of one NIC in Gbit/s")
     p.add_argument("--nics", type=int, default=1, help="NICs each decode rank reads over")
+    hbm = p.add_argument_group("whether the request fits each rank's GPU memory")
+    hbm.add_argument("--gpu", choices=sorted(GPU_HBM_GB), default="h200", help="GPU preset (default h200)")
+    hbm.add_argument("--hbm-gb", type=float, help="GPU memory in GB, instead of the preset's")
+    hbm.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="the engine's setting (0.9)")
+    hbm.add_argument("--weights-gb", type=float, help="checkpoint size in GB, split over TP (default: the config "
+                     "folder's safetensors index, or the preset's FP8 checkpoint)")  # fmt: skip
+    hbm.add_argument("--reserve-gb", type=float, default=4.0, help="activations and workspace per rank (4)")
+    hbm.add_argument("--prefill-cp", type=int, default=1, help="prefill's context-parallel size (tokens sharded)")
+    hbm.add_argument("--decode-dcp", type=int, default=1, help="decode's context-parallel size (tokens sharded)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_plan)
 
@@ -119,12 +129,39 @@ def _run_plan(args: argparse.Namespace) -> int:
     )
     result["engine"] = args.engine
     result["kv_cache_dtype"] = cache_dtype(args)
+    result["hbm"] = hbm_sides(args, int(result["bytes_per_token_with_mtp"]))  # type: ignore[call-overload]
     result["main_rows_by_backend"] = main_rows_by_backend(args, spec.geometry)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print_account(result)
     return 0
+
+
+def hbm_sides(args: argparse.Namespace, kv_bytes_per_token: int) -> dict[str, object] | None:
+    """The HBM account of a prefill and a decode rank (None when the checkpoint size is unknown)."""
+    from glm_pd_common.layout.hbm import GB, HbmInputs, checkpoint_bytes, hbm_account
+
+    weights = args.weights_gb * GB if args.weights_gb is not None else checkpoint_bytes(args.config, args.preset)
+    if weights is None:
+        return None
+    hbm = (args.hbm_gb if args.hbm_gb is not None else GPU_HBM_GB[args.gpu]) * GB
+    out: dict[str, object] = {"gpu": args.gpu if args.hbm_gb is None else f"{args.hbm_gb:g} GB"}
+    for side, tp, shards in (
+        ("prefill", args.prefill_tp, args.prefill_cp),
+        ("decode", args.decode_tp, args.decode_dcp),
+    ):
+        inputs = HbmInputs(
+            kv_bytes_per_token=kv_bytes_per_token,
+            num_tokens=args.tokens,
+            tp=tp,
+            hbm_bytes=hbm,
+            utilization=args.gpu_memory_utilization,
+            weights_per_rank_bytes=weights / tp,
+            reserve_bytes=args.reserve_gb * GB,
+        )
+        out[side] = hbm_account(inputs, shards)
+    return out
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -78,4 +78,31 @@ def print_account(a: dict) -> None:
             "glm-pd does not stream)",
         ),
     ]
+    rows += hbm_rows(a.get("hbm"))
     print_table(rows, "glm-pd plan: the handoff account of one request")
+
+
+def hbm_rows(hbm: dict | None) -> list[tuple[str, str]]:
+    """Per side: the GPU budget, what the weights leave for KV, the request's KV per rank, and the verdict."""
+    if hbm is None:
+        return [("fits the GPU?", "unknown: the checkpoint size is not known; pass --weights-gb")]
+    rows = []
+    for side in ("prefill", "decode"):
+        h = hbm[side]
+        cp = "DCP" if side == "decode" else "CP"
+        layout = "replicated" if h["context_parallel"] == 1 else f"{cp} {h['context_parallel']}"
+        budget = (
+            f"{hbm['gpu']} {human_bytes(h['hbm_bytes'])} x {h['utilization']:g} - weights "
+            f"{human_bytes(h['weights_per_rank_bytes'])} - reserve {human_bytes(h['reserve_bytes'])} = "
+            f"{human_bytes(h['kv_free_bytes'])} for KV"
+        )
+        need = h["min_context_parallel"]
+        if h["fits"]:
+            verdict = "fits"
+        elif need is None:
+            verdict = f"does not fit, even with {cp} = TP"
+        else:
+            verdict = f"does not fit; needs {cp} >= {need} (glm-pd does not move sharded caches yet)"
+        rows.append((f"{side} rank HBM", budget))
+        rows.append((f"{side} request KV", f"{human_bytes(h['kv_per_rank_bytes'])} per rank ({layout}): {verdict}"))
+    return rows
