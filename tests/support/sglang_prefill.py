@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -67,15 +68,21 @@ class StreamDouble:
 
 class EventDouble:
     """Test double for ``torch.cuda.Event``: ``record`` captures what the stream still has to write,
-    ``synchronize`` waits for it (here: makes it land)."""
+    ``synchronize`` waits for it (here: makes it land). ``made`` lists every one, in order."""
+
+    made: ClassVar[list[EventDouble]] = []
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.writes: list[Write] = []
+        self.synced_off_main = False  # synchronized by a backend thread, not the scheduler's
+        self.kind = "wait"  # or "indices" (page ids copied to the host)
+        EventDouble.made.append(self)
 
     def record(self, stream: StreamDouble | None = None) -> None:
         self.writes = list(stream.pending) if stream is not None else []
 
     def synchronize(self) -> None:
+        self.synced_off_main |= threading.current_thread() is not threading.main_thread()
         for w in self.writes:
             w.land()
 
@@ -97,6 +104,7 @@ class Running:
     bootstrapped: bool = False
     sent_last: bool = False
     early_sent: bool = False  # this step's early send handed the backend a chunk behind an event
+    events: list[EventDouble] = field(default_factory=list)  # SGLang recorded these for its early sends
 
 
 class PrefillLoop:
@@ -139,6 +147,8 @@ class PrefillLoop:
                 req = self._req(spec)
                 r.queue.add(req, num_kv_heads=1)
                 self.active[i].append(Running(spec, req, time.perf_counter()))
+                if spec.get("host_indices"):
+                    _send_host_indices(self.active[i][-1])
 
     def _req(self, spec: dict[str, Any]) -> Req:
         ids = spec.get("prompt") or [(spec["room"] * 7 + t) % 500 for t in range(spec["tokens"])]
@@ -173,9 +183,10 @@ class PrefillLoop:
             previous, run.last_write = run.last_write, None
             if run.done_tokens < len(run.req.origin_input_ids):
                 run.req.prefix_len = run.done_tokens  # a chunked request's computed chunks are its cached prefix
-                sent_before = run.req.start_send_idx
+                sent_before, made_before = run.req.start_send_idx, len(EventDouble.made)
                 r.scheduler.maybe_send_cached_prefix_chunk(run.req)
                 run.early_sent = run.req.start_send_idx > sent_before
+                run.events += [e for e in EventDouble.made[made_before:] if e.kind == "wait"]
                 self._launch(r, stream, run)
             if previous is not None:
                 self._take_result(r, run, previous)
@@ -267,6 +278,11 @@ class PrefillLoop:
         out["reasons"] = [
             _reason(run.req.disagg_kv_sender) if s == KVPoll.Failed else "" for run, s in zip(runs, states, strict=True)
         ]
+        for kind in ("wait", "indices"):  # per rank: events SGLang handed over, and those the backend waited on
+            out[f"{kind}_events"] = [sum(e.kind == kind for e in run.events) for run in runs]
+            out[f"{kind}_events_synced"] = [
+                sum(e.kind == kind and e.synced_off_main for e in run.events) for run in runs
+            ]
         for i, (r, run) in enumerate(zip(self.ranks, runs, strict=True)):
             if run.last_write is not None:
                 run.last_write.land()  # the GPU finishes every forward eventually
@@ -290,6 +306,23 @@ class PrefillLoop:
             r.meta.clear_slot(run.req.metadata_buffer_index)
             r.meta_slots.free(run.req.metadata_buffer_index)
             run.req.metadata_buffer_index = -1
+
+
+def _send_host_indices(run: Running) -> None:
+    """Hand the backend page ids the way SGLang does for a sender taking host tensors: a host buffer that a
+    device-to-host copy fills later (here: when ``indices_event`` is synchronized); until then it reads as
+    page 0, SGLang's padding page."""
+    sender = run.req.disagg_kv_sender
+    send = sender.send
+
+    def send_host(kv_indices: np.ndarray, state_indices: list | None = None, **kwargs: Any) -> None:
+        host = torch.zeros(len(kv_indices), dtype=torch.int32)
+        event = EventDouble()
+        event.kind, event.writes = "indices", [Write(lambda: host.copy_(torch.as_tensor(kv_indices)), 0)]
+        run.events.append(event)
+        send(host, state_indices, indices_event=event, **kwargs)
+
+    sender.send = send_host
 
 
 def meta_row(r: Rank, slot: int) -> dict[str, str]:
