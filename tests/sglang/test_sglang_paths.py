@@ -25,11 +25,11 @@ def test_chunks_wait_for_their_events(pair) -> None:
         {"room": 72, "tokens": 1500, "chunk_pages": 4, "host_indices": True},
     ]
     prefill, decode = pair.run(requests)
+    assert_exact(prefill, decode)
     p71, p72 = prefill["results"]
     assert p71["wait_events"] == [4] and p72["wait_events"] == [5]  # one per chunk but the last
     assert p71["wait_events_synced"] == [4] and p72["wait_events_synced"] == [5]  # on the transfer lane
     assert p72["indices_events"] == [6] == p72["indices_events_synced"]  # every send of room 72
-    assert_exact(prefill, decode)
     assert_clean(prefill, decode)
 
 
