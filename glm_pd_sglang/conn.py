@@ -62,14 +62,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         if not is_mla_backend:
             raise ConfigError("the glm-pd backend moves MLA (DSA) caches; this model's KV pool is not MLA")
         self.glm_config = GlmPdSglangConfig.from_env()
-        device = str(getattr(server_args, "device", "cuda") or "cuda")
-        self.caches = rank_caches(
-            args,
-            model_geometry(server_args, self.glm_config.model_revision),
-            scale_format=scale_format(self.glm_config, device),
-            mem_kind="DRAM" if device == "cpu" else "VRAM",
-            device_id=int(getattr(args, "gpu_id", 0) or 0),
-        )
+        self._server_args = server_args
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
@@ -87,10 +80,35 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         self.test_transfer_faults: dict[int, str] = {}
         # Rooms prefill aborted whose decode ranks are told once no write of theirs is outstanding.
         self._prefill_aborts: dict[int, list[tuple[str, int]]] = {}
+        self._registrations: dict[str, wire.Registration] = {}  # prefill: accepted decode registrations
+        self._transport_lock = threading.RLock()  # the transport is swapped on memory release / resume
+        self._released = False
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if self.defer_decode_allocation:
             raise ConfigError("glm-pd does not implement --disaggregation-decode-allocation-policy prefill_complete")
         mode = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        self._open_transport(args)
+        if mode == "prefill":
+            self._lanes = Lanes(f"glm-pd-transfer-{self.attn_tp_rank}", self._lane_job)
+            self._threads = [threading.Thread(target=self._prefill_loop, name="glm-pd-bootstrap", daemon=True)]
+        else:
+            self._threads = [threading.Thread(target=self._decode_loop, name="glm-pd-listener", daemon=True)]
+            self._threads.append(self._start_heartbeat_checker_thread())
+        for t in self._threads:
+            if not t.is_alive():
+                t.start()
+
+    def _open_transport(self, args: Any) -> None:
+        """Describe this rank's caches from ``args`` (SGLang's KVArgs) and register them with a new transport."""
+        device = str(getattr(self._server_args, "device", "cuda") or "cuda")
+        self.caches = rank_caches(
+            args,
+            model_geometry(self._server_args, self.glm_config.model_revision),
+            scale_format=scale_format(self.glm_config, device),
+            mem_kind="DRAM" if device == "cpu" else "VRAM",
+            device_id=int(getattr(args, "gpu_id", 0) or 0),
+        )
+        mode = "prefill" if self.disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         name = f"glmpd-{mode}-{self.local_ip}-{self.rank_port}"
         transport = create_transport(
             name,
@@ -103,24 +121,37 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             ),
         )
         transport.register([*self.caches.regions, *self.caches.aux])
-        self.endpoint = Endpoint(
-            name,
-            self.caches.spec,
-            self.caches.regions,
-            transport,
-            PeerShape(self.caches.page_tokens, self.attn_tp_size, self.attn_tp_rank),
-        )
+        shape = PeerShape(self.caches.page_tokens, self.attn_tp_size, self.attn_tp_rank)
+        self.endpoint = Endpoint(name, self.caches.spec, self.caches.regions, transport, shape)
         self.transport = transport
         logger.info("glm-pd %s rank %s: %s", mode, self.attn_tp_rank, transport.info().data_path)
-        if mode == "prefill":
-            self._lanes = Lanes(f"glm-pd-transfer-{self.attn_tp_rank}", self._lane_job)
-            self._threads = [threading.Thread(target=self._prefill_loop, name="glm-pd-bootstrap", daemon=True)]
-        else:
-            self._threads = [threading.Thread(target=self._decode_loop, name="glm-pd-listener", daemon=True)]
-            self._threads.append(self._start_heartbeat_checker_thread())
-        for t in self._threads:
-            if not t.is_alive():
-                t.start()
+
+    # -- memory release / resume (SGLang's release_memory_occupation / resume_memory_occupation) -----
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang releases the KV memory: drop every registration of it, and the peers loaded against them.
+        A room still moving bytes fails; rooms that arrive before the resume are refused."""
+        with self._transport_lock:
+            if self._released:
+                return
+            self._released = True
+            self.transport.close()
+            self._peers.clear()
+        logger.info("glm-pd rank %s: KV memory released, transport registrations dropped", self.attn_tp_rank)
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang resumed the KV memory: register it again from ``kv_args`` (its addresses may have moved),
+        then peers learn them: prefill reloads every decode rank registered so far; decode registers anew
+        with each prefill ahead of its next room (on the socket that room's message then takes)."""
+        with self._transport_lock:  # held while decode ranks are reloaded: a registration arriving now waits
+            if not self._released:
+                self.transport.close()
+            self._open_transport(self.kv_args)
+            self._released = False
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+                for reg in list(self._registrations.values()):
+                    self._on_register(reg)
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            self.connection_pool.clear()  # the next receiver of each prefill fetches it and registers again
 
     # -- both sides --------------------------------------------------------------------------------
     def leftovers(self) -> dict[str, int]:
@@ -140,7 +171,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             t.join(timeout=5)
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             self._lanes.close(timeout_s=5)
-        self.transport.close()
+        with self._transport_lock:
+            if not self._released:
+                self.transport.close()
         self.server_socket.close(linger=0)
 
     def _add_stat(self, key: str, value: float) -> None:
@@ -152,7 +185,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
             if progress:
-                self.transport.notifs()  # NIXL without a progress thread: peers' WRITEs need ours
+                with self._transport_lock:
+                    if not self._released:
+                        self.transport.notifs()  # NIXL without a progress thread: peers' WRITEs need ours
             if not poller.poll(poll_ms):
                 continue
             msg = self.server_socket.recv_multipart()
@@ -255,7 +290,8 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         if tag == ABORT_TAG:
             self._on_abort(msg)
         elif tag == wire.TAG_REGISTER:
-            self._on_register(wire.parse(msg, wire.Registration))
+            with self._transport_lock:
+                self._on_register(wire.parse(msg, wire.Registration))
         elif tag == wire.TAG_ROOM:
             self._on_room(wire.parse(msg, wire.Room))
         else:
@@ -290,6 +326,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             )
             return
         self._peers[hello.agent_name] = DecodePeer(view, aux)
+        self._registrations[hello.agent_name] = reg
         self._refused.pop(key, None)
         logger.info("glm-pd prefill: decode %s registered (tp %s/%s)", peer, view.shape.tp_rank, view.shape.tp_size)
 
@@ -297,6 +334,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         key = (m.decode_ip, m.decode_port)
         if key in self._refused:
             self._fail_room(m.room, self._refused[key], key)
+            return
+        if self._released:
+            self._fail_room(m.room, f"glm-pd prefill released its KV memory; room {m.room} cannot be served", key)
             return
         if m.agent_name not in self._peers:
             self._fail_room(m.room, f"decode {m.agent_name} sent room {m.room} before registering", key)

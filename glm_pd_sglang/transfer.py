@@ -19,7 +19,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.utils.network import NetworkAddress
 
-from glm_pd_common.errors import PlanError, ProtocolError
+from glm_pd_common.errors import PlanError, ProtocolError, TransferFailed
 from glm_pd_common.handoff.peer import PeerView
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.transport.base import Span
@@ -74,6 +74,7 @@ class PrefillTransfers:
     _prefill_aborts: dict[int, list[tuple[str, int]]]
     test_transfer_faults: dict[int, str]
     _lanes: Lanes[Chunk]
+    _released: bool
 
     if TYPE_CHECKING:  # CommonKVManager's and the manager's (a stub here would shadow them in the MRO)
 
@@ -137,6 +138,8 @@ class PrefillTransfers:
                 c.indices_event.synchronize()
             if not self._live(c.room):
                 return
+            if self._released:
+                raise TransferFailed("the KV memory was released (SGLang release_memory_occupation)")
             self.update_status(c.room, KVPoll.Transferring)
             started = time.perf_counter()
             pages = int_pages(np.asarray(c.kv_indices), what="prefill page ids").copy()

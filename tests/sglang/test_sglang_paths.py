@@ -81,3 +81,16 @@ def test_mtp_seeds_arrive_byte_for_byte(seeds_pair) -> None:
     assert rows[92][128:] == sentinel * 32 and sentinel not in [rows[92][i : i + 4] for i in range(0, 128, 4)]
     assert rows[93] == sentinel * 64
     assert_clean(prefill, decode)
+
+
+def test_memory_release_and_resume_registers_the_new_addresses(pair) -> None:
+    """SGLang's ``release_memory_occupation`` / ``resume_memory_occupation`` on both queues between rooms, the
+    caches back at new addresses: later rooms move their bytes from and into the new buffers."""
+    requests = [
+        {"room": 111, "tokens": 900, "prefix": 64},
+        {"room": 112, "tokens": 1300, "prefix": 128, "chunk_pages": 5, "release_resume": True},
+        {"room": 113, "tokens": 700},
+    ]
+    prefill, decode = pair.run(requests)
+    assert_exact(prefill, decode)
+    assert_clean(prefill, decode)

@@ -141,6 +141,9 @@ class PrefillLoop:
         while self.waiting and self.waiting[0].get("with_previous"):
             batch.append(self.waiting.pop(0))
         for spec in batch:
+            if spec.get("release_resume"):
+                for r in self.ranks:
+                    r.release_and_resume()
             for i, r in enumerate(self.ranks):
                 if spec.get("prefill_fault") in ("error", "hang"):
                     r.mgr.test_transfer_faults[spec["room"]] = spec["prefill_fault"]

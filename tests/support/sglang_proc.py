@@ -117,6 +117,9 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
     results = []
     for req in requests:
         time.sleep(req.get("delay_s", 0))
+        if req.get("release_resume"):
+            for r in ranks:
+                r.release_and_resume()
         room, n_tokens, prefix = req["room"], req["tokens"], req.get("prefix", 0)
         deadline = time.monotonic() + DEADLINE_S
         started = time.perf_counter()

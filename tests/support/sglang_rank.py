@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import xxhash
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.disaggregation.base.conn import StateType
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin
 from sglang.srt.disaggregation.utils import (
@@ -144,6 +145,19 @@ class Rank:
             self.transitions.append((room, int(self.mgr.request_status.get(room, -1))))
 
         self.mgr.update_status = spy
+
+    def release_and_resume(self) -> None:
+        """SGLang's ``release_memory_occupation`` then ``resume_memory_occupation`` on the role's queue, with
+        the caches back at new addresses in ``KVArgs`` (the old buffers are kept: a stale registration would
+        write there, unseen)."""
+        self.queue.release_memory_occupation()
+        self.stale = [*self.main, *self.index]
+        self.main = [t.clone() for t in self.main]
+        self.index = [t.clone() if t.numel() else t for t in self.index]
+        args = self.mgr.kv_args
+        args.kv_data_ptrs = [t.data_ptr() for t in self.main]
+        args.state_data_ptrs[args.state_types.index(StateType.DSA)] = [t.data_ptr() for t in self.index]
+        self.queue.resume_memory_occupation()
 
     def paged(self, table: np.ndarray) -> PagedCache:
         """The tiny model's view of this rank's pool: page p of a layer is rows [p * page, (p + 1) * page)."""
