@@ -6,9 +6,11 @@ timeouts, abort notices and their drain ACKs. glm-pd adds what a GLM-5.x handoff
 - registration carries glm-pd's hello, so a decode rank whose layout differs (row bytes, scale format,
   layer set, MTP) is refused at once, naming every field and both values;
 - the main MLA KV and the DSA indexer move through the core plan (coalesced runs, layer order), pushed by
-  prefill (WRITE) over Mooncake or NIXL; decode's page ids are bounds-checked before any byte moves;
+  prefill (WRITE) over Mooncake or NIXL on one lane per decode peer, each chunk only after SGLang's events
+  for it completed (transfer.py); decode's page ids are bounds-checked before any byte moves;
 - the aux metadata row lands before Success is reported, and optional digests are checked before decode
-  sees Success.
+  sees Success;
+- SGLang's memory release / resume drops and rebuilds the registrations, and peers learn the new ones.
 """
 
 from __future__ import annotations
