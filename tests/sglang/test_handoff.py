@@ -1,7 +1,8 @@
 """Two processes, real SGLang backend classes, real bootstrap server, real transports over loopback.
 
-What stands in for the GPU: the caches are host tensors shaped as SGLang's DSA pool allocates them
-(SGLang's ``device="cpu"``); everything else is SGLang's and glm-pd's own code (see tests/support/sglang_proc.py).
+The caches are SGLang's own ``DSATokenToKVPool`` on the CPU, pages come from SGLang's allocator, and prefill
+runs SGLang's bootstrap queue and send path; what remains a test double is listed in tests/support/sglang_proc.py
+and tests/support/sglang_prefill.py (the GPU's timing, decode's radix tree and batch formation).
 """
 
 import pytest
