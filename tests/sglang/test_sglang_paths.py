@@ -94,3 +94,20 @@ def test_memory_release_and_resume_registers_the_new_addresses(pair) -> None:
     prefill, decode = pair.run(requests)
     assert_exact(prefill, decode)
     assert_clean(prefill, decode)
+
+
+def test_decode_radix_hit_sends_only_the_suffix(pair) -> None:
+    """Decode's prefix comes from SGLang's RadixCache: room 122 shares 600 tokens with room 121, which decode
+    cached; the hit is page-aligned (576), prefill learns it and sends only the pages past it."""
+    shared = [(3 * t) % 500 for t in range(600)]
+    requests = [
+        {"room": 121, "tokens": 700, "prompt": [*shared, *[7] * 100], "radix": True},
+        {"room": 122, "tokens": 1000, "prompt": [*shared, *[9] * 400], "radix": True, "chunk_pages": 4},
+    ]
+    prefill, decode = pair.run(requests)
+    assert [d["prefix"] for d in decode["results"]] == [[0], [576]]
+    assert [p["prefix"] for p in prefill["results"]] == [[0], [576]]
+    assert_exact(prefill, decode)
+    pages = 11 + (1000 - 576 + 63) // 64
+    assert prefill["stats"][0]["main_bytes"] == pages * 7 * 64 * 656  # 7 main layers: 6 target + MTP
+    assert_clean(prefill, decode)

@@ -154,7 +154,7 @@ class PrefillLoop:
                     _send_host_indices(self.active[i][-1])
 
     def _req(self, spec: dict[str, Any]) -> Req:
-        ids = spec.get("prompt") or [(spec["room"] * 7 + t) % 500 for t in range(spec["tokens"])]
+        ids = spec.get("prompt") or prompt_ids(spec["room"], spec["tokens"])
         req = Req(
             rid=f"room-{spec['room']}",
             origin_input_text="",
@@ -309,6 +309,11 @@ class PrefillLoop:
             r.meta.clear_slot(run.req.metadata_buffer_index)
             r.meta_slots.free(run.req.metadata_buffer_index)
             run.req.metadata_buffer_index = -1
+
+
+def prompt_ids(room: int, num_tokens: int) -> list[int]:
+    """A request's token ids when the test gives none (both roles derive the same)."""
+    return [(room * 7 + t) % 500 for t in range(num_tokens)]
 
 
 def _send_host_indices(run: Running) -> None:

@@ -8,9 +8,11 @@ request, in the order ``DecodePreallocQueue`` / ``DecodeTransferQueue`` act: a r
 (``init``, ``send_metadata`` with ``suffix_page_indices`` of the row and ``decode_prefix_len``), polling to
 Success/Failed, the metadata row read with ``MetadataBuffers.get_buf``, then release.
 
-Imitated on decode, with why: ``pop_preallocated`` and the transfer queue need SGLang's radix tree and
-scheduler batches; the radix hit is a page-aligned prefix whose pages decode allocates and fills itself
-(as a hit leaves them), and requests are taken one at a time. Caches live in host memory (``device cpu``).
+Imitated on decode, with why: ``pop_preallocated`` and the transfer queue need the scheduler's batches,
+retraction and hicache state; their steps are taken here one request at a time. A request marked
+``radix`` takes its prefix from SGLang's ``RadixCache`` of the rank (earlier requests cached there); the
+others state a ``prefix`` whose pages decode allocates and fills itself, as a hit leaves them. Caches live
+in host memory (``device cpu``).
 Results (poll walks, reasons, per-page digests of the suffix, metadata rows, timings) go to a JSON file.
 
 Usage: python -m tests.support.sglang_proc CONFIG.json
@@ -23,6 +25,7 @@ import math
 import os
 import sys
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +41,15 @@ from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver  # noqa: E402
 from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.common import kv_to_page_indices, suffix_page_indices  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 load_plugins()
-from tests.support.sglang_prefill import PrefillLoop, meta_row  # noqa: E402
+from tests.support.sglang_prefill import PrefillLoop, meta_row, prompt_ids  # noqa: E402
 from tests.support.sglang_rank import Rank, rss_kb  # noqa: E402
 from tests.support.tiny_dsa import TinyDsa  # noqa: E402
 
@@ -86,23 +91,43 @@ def reason_of(obj: Any) -> str:
 
 
 class DecodeSlot:
-    """One request's row, pages and metadata slot on one decode rank."""
+    """One request's row, pages and metadata slot on one decode rank. With ``radix``, its prefix is what SGLang's
+    ``RadixCache`` of this rank matches (those pages are the tree's, locked while the request runs), and at
+    the end its page-aligned tokens go into the tree, as ``cache_finished_req`` leaves them."""
 
-    def __init__(self, r: Rank, n_tokens: int, prefix: int, extra_tokens: int) -> None:
-        self.r = r
+    def __init__(self, r: Rank, ids: list[int], prefix: int, extra_tokens: int, radix: bool) -> None:
+        self.r, self.ids, self.radix, self.node = r, ids, radix, None
+        n_tokens = len(ids)
         self.row = r.req_to_token_pool.alloc_rows(1)[0]
         self.tokens = math.ceil((n_tokens + extra_tokens) / PAGE) * PAGE  # room for decoded tokens
-        indices = r.allocator.alloc(self.tokens)
+        row = r.req_to_token_pool.req_to_token[self.row]
+        if radix:  # as DecodePreallocQueue's match_kv_cache: the prompt against the tree, locked
+            match = r.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("i", ids))))
+            prefix, self.node = match.device_prefix_len, match.last_device_node
+            r.tree.inc_lock_ref(self.node)
+            row[:prefix] = r.tree.path_device_indices(self.node)[:prefix].to(torch.int32)
+        self.prefix = prefix
+        self.owned_from = prefix if radix else 0  # the tree's pages are not this request's to free
+        indices = r.allocator.alloc(self.tokens - self.owned_from)
         if indices is None:
             raise SystemExit("decode pool exhausted")
-        r.req_to_token_pool.req_to_token[self.row, : self.tokens] = indices.to(torch.int32)
-        self.table = kv_to_page_indices(r.req_to_token_pool.req_to_token[self.row, : self.tokens], PAGE)
+        row[self.owned_from : self.tokens] = indices.to(torch.int32)
+        self.table = kv_to_page_indices(row[: self.tokens], PAGE)
         self.suffix = suffix_page_indices(r.req_to_token_pool.req_to_token, self.row, prefix, n_tokens, PAGE)
         self.slot = r.meta_slots.alloc()
 
-    def release(self) -> None:
-        r = self.r
-        r.allocator.free(r.req_to_token_pool.req_to_token[self.row, : self.tokens].to(torch.int64))
+    def release(self, cache: bool) -> None:
+        r, row = self.r, self.r.req_to_token_pool.req_to_token[self.row].to(torch.int64)
+        free_from = self.owned_from
+        if self.radix and cache:
+            aligned = len(self.ids) // PAGE * PAGE
+            done = r.tree.insert(InsertParams(key=RadixKey(array("i", self.ids[:aligned])), value=row[:aligned]))
+            if done.prefix_len > self.prefix:  # pages another request put in the tree meanwhile: ours are spare
+                r.allocator.free(row[self.prefix : done.prefix_len])
+            free_from = max(aligned, self.prefix)
+        if self.node is not None:
+            r.tree.dec_lock_ref(self.node)
+        r.allocator.free(row[free_from : self.tokens])
         r.req_to_token_pool.free_rows([self.row])
         r.meta.clear_slot(self.slot)
         r.meta_slots.free(self.slot)
@@ -128,7 +153,10 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
             rc.init(0)
         states = walk(receivers, (KVPoll.WaitingForInput,), deadline)
         out: dict[str, Any] = {"room": room}
-        slots = [DecodeSlot(r, n_tokens, prefix, E2E["steps"] if E2E else 0) for r in ranks]
+        ids = req.get("prompt") or prompt_ids(room, n_tokens)
+        slots = [DecodeSlot(r, ids, prefix, E2E["steps"] if E2E else 0, bool(req.get("radix"))) for r in ranks]
+        prefix = slots[0].prefix
+        out["prefix"] = [s.prefix for s in slots]
         end = math.ceil(n_tokens / PAGE)
         fault = req.get("fault")
         if min(states) == KVPoll.WaitingForInput:
@@ -136,7 +164,7 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
                 suffix = s.suffix.copy()
                 if prefix and MODEL:  # decode's own prefix-cache hit: its pages hold what a hit leaves there
                     MODEL.prefill(req["prompt"], r.paged(s.table), 0, prefix)
-                elif prefix:
+                elif prefix and not s.radix:
                     r.write_pages(s.table[: prefix // PAGE], seed=7 * room)
                 claimed, send = prefix, rc.send_metadata
                 if fault == "misaligned":
@@ -175,8 +203,10 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
         ]
         for rc, s in zip(receivers, slots, strict=True):
             rc.clear()
-            s.release()
+            s.release(cache=min(states) == KVPoll.Success)
         results.append(out)
+    for r in ranks:  # what the tree still holds goes back to the pool, so the page count can be checked
+        r.tree.evict(EvictParams(num_tokens=r.pool_tokens))
     return results
 
 

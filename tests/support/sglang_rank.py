@@ -31,7 +31,9 @@ from sglang.srt.disaggregation.utils import (
     get_dsa_seed_metadata_dim,
 )
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.runtime_context import get_parallel
 
 from tests.support.tiny_dsa import PagedCache
@@ -122,6 +124,12 @@ class Rank:
             attn_tp_rank=rank, attn_cp_rank=0, attn_dp_rank=0, attn_dcp_rank=0, tp_rank=rank,
             pp_rank=0, pp_size=1, pp_group=None, dp_rank=None,
             attn_tp_group=SimpleNamespace(cpu_group=None),
+        )  # fmt: skip
+        self.tree = RadixCache(
+            CacheInitParams(
+                disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+                page_size=page,
+            )
         )  # fmt: skip
         self.scheduler = SchedulerDouble(server_args, model_config, self)
         backend = TransferBackend(server_args.disaggregation_transfer_backend)
