@@ -130,7 +130,7 @@ class PrefillLoop:
             self._collect()
             if time.monotonic() > deadline:
                 raise SystemExit("prefill loop did not finish its requests")
-            time.sleep(0.0005)
+            time.sleep(0.001)  # a scheduler step; the transfer lanes and decode share these cores
         return self.results
 
     # -- arrivals: a request arrives with the one before it when marked so, else after all before it ended
