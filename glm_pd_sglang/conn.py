@@ -6,18 +6,17 @@ timeouts, abort notices and their drain ACKs. glm-pd adds what a GLM-5.x handoff
 - registration carries glm-pd's hello, so a decode rank whose layout differs (row bytes, scale format,
   layer set, MTP) is refused at once, naming every field and both values;
 - the main MLA KV and the DSA indexer move through the core plan (coalesced runs, layer order), pushed by
-  prefill (WRITE) over Mooncake or NIXL; decode's page ids are bounds-checked before any byte moves;
+  prefill (WRITE) over Mooncake or NIXL on one lane per decode peer, each chunk only after SGLang's events
+  for it completed (transfer.py); decode's page ids are bounds-checked before any byte moves;
 - the aux metadata row lands before Success is reported, and optional digests are checked before decode
-  sees Success.
+  sees Success;
+- SGLang's memory release / resume drops and rebuilds the registrations, and peers learn the new ones.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,19 +27,20 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, 
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
-from glm_pd_common.errors import ConfigError, GlmPdError, PlanError, ProtocolError
+from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
 from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.peer import Endpoint, accept_hello
 from glm_pd_common.layout import checksum
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.memory import reader_for
-from glm_pd_common.layout.plan import TransferPlan, build_plan
-from glm_pd_common.transport.base import Span, TransportConfig, create_transport
+from glm_pd_common.transport.base import TransportConfig, create_transport
 from glm_pd_sglang import wire
 from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.kvargs import rank_caches
+from glm_pd_sglang.lanes import Lanes
 from glm_pd_sglang.model import model_geometry, scale_format
-from glm_pd_sglang.rooms import Target, aux_runs, check_aux, check_suffix, int_pages
+from glm_pd_sglang.rooms import Target, check_aux, check_suffix, int_pages
+from glm_pd_sglang.transfer import DecodePeer, PrefillTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -48,23 +48,7 @@ _POLL_MS = 100
 _MAX_DECODE_RANKS = 256  # decode attention-TP ranks one prefill rank may serve for a room
 
 
-@dataclass
-class _DecodePeer:
-    view: PeerView
-    aux: list[Span]
-
-
-@dataclass
-class _Chunk:
-    room: int
-    pages: np.ndarray
-    index_slice: slice
-    is_last: bool
-    aux_index: int | None
-    state_pages: np.ndarray | None
-
-
-class GlmPdKVManager(CommonKVManager):
+class GlmPdKVManager(PrefillTransfers, CommonKVManager):
     """One rank's glm-pd agent: prefill pushes planned runs; decode announces its caches and verifies."""
 
     kv_status_msg_tag = wire.TAG_STATUS
@@ -82,17 +66,10 @@ class GlmPdKVManager(CommonKVManager):
         if not is_mla_backend:
             raise ConfigError("the glm-pd backend moves MLA (DSA) caches; this model's KV pool is not MLA")
         self.glm_config = GlmPdSglangConfig.from_env()
-        device = str(getattr(server_args, "device", "cuda") or "cuda")
-        self.caches = rank_caches(
-            args,
-            model_geometry(server_args, self.glm_config.model_revision),
-            scale_format=scale_format(self.glm_config, device),
-            mem_kind="DRAM" if device == "cpu" else "VRAM",
-            device_id=int(getattr(args, "gpu_id", 0) or 0),
-        )
+        self._server_args = server_args
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._peers: dict[str, _DecodePeer] = {}
+        self._peers: dict[str, DecodePeer] = {}
         self._refused: dict[tuple[str, int], str] = {}
         self._pending_failures: dict[int, str] = {}
         self._expected_pages: dict[int, int] = {}
@@ -107,10 +84,35 @@ class GlmPdKVManager(CommonKVManager):
         self.test_transfer_faults: dict[int, str] = {}
         # Rooms prefill aborted whose decode ranks are told once no write of theirs is outstanding.
         self._prefill_aborts: dict[int, list[tuple[str, int]]] = {}
+        self._registrations: dict[str, wire.Registration] = {}  # prefill: accepted decode registrations
+        self._transport_lock = threading.RLock()  # the transport is swapped on memory release / resume
+        self._released = False
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if self.defer_decode_allocation:
             raise ConfigError("glm-pd does not implement --disaggregation-decode-allocation-policy prefill_complete")
         mode = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        self._open_transport(args)
+        if mode == "prefill":
+            self._lanes = Lanes(f"glm-pd-transfer-{self.attn_tp_rank}", self._lane_job)
+            self._threads = [threading.Thread(target=self._prefill_loop, name="glm-pd-bootstrap", daemon=True)]
+        else:
+            self._threads = [threading.Thread(target=self._decode_loop, name="glm-pd-listener", daemon=True)]
+            self._threads.append(self._start_heartbeat_checker_thread())
+        for t in self._threads:
+            if not t.is_alive():
+                t.start()
+
+    def _open_transport(self, args: Any) -> None:
+        """Describe this rank's caches from ``args`` (SGLang's KVArgs) and register them with a new transport."""
+        device = str(getattr(self._server_args, "device", "cuda") or "cuda")
+        self.caches = rank_caches(
+            args,
+            model_geometry(self._server_args, self.glm_config.model_revision),
+            scale_format=scale_format(self.glm_config, device),
+            mem_kind="DRAM" if device == "cpu" else "VRAM",
+            device_id=int(getattr(args, "gpu_id", 0) or 0),
+        )
+        mode = "prefill" if self.disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         name = f"glmpd-{mode}-{self.local_ip}-{self.rank_port}"
         transport = create_transport(
             name,
@@ -123,28 +125,38 @@ class GlmPdKVManager(CommonKVManager):
             ),
         )
         transport.register([*self.caches.regions, *self.caches.aux])
-        self.endpoint = Endpoint(
-            name,
-            self.caches.spec,
-            self.caches.regions,
-            transport,
-            PeerShape(self.caches.page_tokens, self.attn_tp_size, self.attn_tp_rank),
-            reader_for((r.mem_kind for r in self.caches.regions), torch),
-        )
+        shape = PeerShape(self.caches.page_tokens, self.attn_tp_size, self.attn_tp_rank)
+        memory = reader_for((r.mem_kind for r in self.caches.regions), torch)
+        self.endpoint = Endpoint(name, self.caches.spec, self.caches.regions, transport, shape, memory)
         self.transport = transport
         logger.info("glm-pd %s rank %s: %s", mode, self.attn_tp_rank, transport.info().data_path)
-        if mode == "prefill":
-            self._queue: queue.Queue[_Chunk] = queue.Queue()
-            self._threads = [
-                threading.Thread(target=self._prefill_loop, name="glm-pd-bootstrap", daemon=True),
-                threading.Thread(target=self._transfer_loop, name="glm-pd-transfer", daemon=True),
-            ]
-        else:
-            self._threads = [threading.Thread(target=self._decode_loop, name="glm-pd-listener", daemon=True)]
-            self._threads.append(self._start_heartbeat_checker_thread())
-        for t in self._threads:
-            if not t.is_alive():
-                t.start()
+
+    # -- memory release / resume (SGLang's release_memory_occupation / resume_memory_occupation) -----
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang releases the KV memory: drop every registration of it, and the peers loaded against them.
+        A room still moving bytes fails; rooms that arrive before the resume are refused."""
+        with self._transport_lock:
+            if self._released:
+                return
+            self._released = True
+            self.transport.close()
+            self._peers.clear()
+        logger.info("glm-pd rank %s: KV memory released, transport registrations dropped", self.attn_tp_rank)
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang resumed the KV memory: register it again from ``kv_args`` (its addresses may have moved),
+        then peers learn them: prefill reloads every decode rank registered so far; decode registers anew
+        with each prefill ahead of its next room (on the socket that room's message then takes)."""
+        with self._transport_lock:  # held while decode ranks are reloaded: a registration arriving now waits
+            if not self._released:
+                self.transport.close()
+            self._open_transport(self.kv_args)
+            self._released = False
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+                for reg in list(self._registrations.values()):
+                    self._on_register(reg)
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            self.connection_pool.clear()  # the next receiver of each prefill fetches it and registers again
 
     # -- both sides --------------------------------------------------------------------------------
     def leftovers(self) -> dict[str, int]:
@@ -162,7 +174,11 @@ class GlmPdKVManager(CommonKVManager):
             self._heartbeat_shutdown.set()
         for t in self._threads:
             t.join(timeout=5)
-        self.transport.close()
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            self._lanes.close(timeout_s=5)
+        with self._transport_lock:
+            if not self._released:
+                self.transport.close()
         self.server_socket.close(linger=0)
 
     def _add_stat(self, key: str, value: float) -> None:
@@ -174,7 +190,9 @@ class GlmPdKVManager(CommonKVManager):
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
             if progress:
-                self.transport.notifs()  # NIXL without a progress thread: peers' WRITEs need ours
+                with self._transport_lock:
+                    if not self._released:
+                        self.transport.notifs()  # NIXL without a progress thread: peers' WRITEs need ours
             if not poller.poll(poll_ms):
                 continue
             msg = self.server_socket.recv_multipart()
@@ -277,7 +295,8 @@ class GlmPdKVManager(CommonKVManager):
         if tag == ABORT_TAG:
             self._on_abort(msg)
         elif tag == wire.TAG_REGISTER:
-            self._on_register(wire.parse(msg, wire.Registration))
+            with self._transport_lock:
+                self._on_register(wire.parse(msg, wire.Registration))
         elif tag == wire.TAG_ROOM:
             self._on_room(wire.parse(msg, wire.Room))
         else:
@@ -311,7 +330,8 @@ class GlmPdKVManager(CommonKVManager):
                 wire.frames(wire.TAG_REFUSED, wire.Refused(self._prefill_unique_rank(), reason)),
             )
             return
-        self._peers[hello.agent_name] = _DecodePeer(view, aux)
+        self._peers[hello.agent_name] = DecodePeer(view, aux)
+        self._registrations[hello.agent_name] = reg
         self._refused.pop(key, None)
         logger.info("glm-pd prefill: decode %s registered (tp %s/%s)", peer, view.shape.tp_rank, view.shape.tp_size)
 
@@ -319,6 +339,9 @@ class GlmPdKVManager(CommonKVManager):
         key = (m.decode_ip, m.decode_port)
         if key in self._refused:
             self._fail_room(m.room, self._refused[key], key)
+            return
+        if self._released:
+            self._fail_room(m.room, f"glm-pd prefill released its KV memory; room {m.room} cannot be served", key)
             return
         if m.agent_name not in self._peers:
             self._fail_room(m.room, f"decode {m.agent_name} sent room {m.room} before registering", key)
@@ -382,157 +405,3 @@ class GlmPdKVManager(CommonKVManager):
         if ack is not None:
             self.register_deferred_ack_target(room, ack)
             self._maybe_ack_drained_abort(room)
-
-    def prefill_aborted(self, room: int) -> None:
-        """Prefill aborted a room: its decode ranks must fail it now, not at their waiting timeout, but only
-        once no write into their pages is still in flight (they free those pages on Failed)."""
-        infos = self.transfer_infos.get(room) or {}
-        with self._lock:
-            self._prefill_aborts[room] = [(t.endpoint, t.dst_port) for t in infos.values()]
-        self._maybe_tell_decode_of_abort(room)
-
-    def _maybe_tell_decode_of_abort(self, room: int) -> None:
-        with self._lock:
-            if self._staging_outstanding.get(room, 0) > 0 or room not in self._prefill_aborts:
-                return
-            targets = self._prefill_aborts.pop(room)
-        self.send_kv_status_message(
-            targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason="prefill aborted the request"
-        )
-
-    # -- prefill: transfers --------------------------------------------------------------------------
-    def add_transfer_request(
-        self,
-        bootstrap_room: int,
-        kv_indices: np.ndarray,
-        index_slice: slice,
-        is_last_chunk: bool,
-        aux_index: int | None = None,
-        state_indices: list | None = None,
-        num_kv_tokens: int | None = None,
-        **_unused: Any,
-    ) -> None:
-        """Queue one chunk for the transfer thread (the scheduler never waits on the wire)."""
-        if bootstrap_room not in self.transfer_infos:
-            return
-        state = None if state_indices is None else int_pages(state_indices[self.caches.dsa_component], what="DSA pages")
-        pages = int_pages(kv_indices, what="prefill page ids")
-        with self._lock:
-            self._staging_outstanding[bootstrap_room] += 1  # holds Success and any drain ACK until written
-        self._queue.put(_Chunk(bootstrap_room, pages.copy(), index_slice, is_last_chunk, aux_index, state))
-
-    def _transfer_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                chunk = self._queue.get(timeout=_POLL_MS / 1000)
-            except queue.Empty:
-                continue
-            try:
-                self._run_chunk(chunk)
-            finally:
-                with self._lock:
-                    left = self._staging_outstanding.get(chunk.room, 0) - 1
-                    if left > 0:
-                        self._staging_outstanding[chunk.room] = left
-                    else:
-                        self._staging_outstanding.pop(chunk.room, None)
-                self._maybe_ack_drained_abort(chunk.room)
-                self._maybe_tell_decode_of_abort(chunk.room)
-
-    def _run_chunk(self, c: _Chunk) -> None:
-        infos = self.transfer_infos.get(c.room)
-        if not infos or self.request_status.get(c.room) in (None, KVPoll.Failed):
-            return
-        self.update_status(c.room, KVPoll.Transferring)
-        started = time.perf_counter()
-        try:
-            sent = self._sent_pages.setdefault(c.room, [])
-            sent.append(c.pages)
-            whole = np.concatenate(sent) if c.is_last else c.pages  # the whole suffix matters only at the end
-            for target in list(infos.values()):
-                if not target.is_dummy:
-                    self._write_chunk(target, c, whole)
-            if c.is_last:
-                self._sent_pages.pop(c.room, None)
-                self._add_stat("seconds", time.perf_counter() - started)
-                self.conclude_transfer(bootstrap_room=c.room, status=KVPoll.Success)
-        except Exception as exc:
-            self._sent_pages.pop(c.room, None)
-            self._add_stat("failures", 1)
-            reason = f"glm-pd prefill rank {self._prefill_unique_rank()}: {type(exc).__name__}: {exc}"
-            logger.error(reason)
-            self.conclude_failure(bootstrap_room=c.room, failure_reason=reason)
-
-    def _write_chunk(self, t: Target, c: _Chunk, sent: np.ndarray) -> None:
-        """Push one chunk's main KV (and, on the last chunk, the indexer and metadata row) to one decode rank."""
-        peer = self._peers.get(t.agent_name)
-        if peer is None:
-            raise ProtocolError(f"decode {t.agent_name} is no longer registered")
-        expected = self._expected_pages.get(c.room)
-        if expected is not None and expected != t.dst_pages.size:
-            raise PlanError(
-                f"suffix mismatch: decode's prefix of {t.decode_prefix_len} tokens leaves {t.dst_pages.size} pages "
-                f"to fill, but prefill's suffix from the same prefix has {expected} pages"
-            )
-        page = self.caches.page_tokens
-        start, stop = c.index_slice.start, c.index_slice.start + c.pages.size
-        if stop > t.dst_pages.size:
-            raise PlanError(f"prefill sends pages {start}..{stop} of a suffix decode sized {t.dst_pages.size}")
-        whole = c.is_last and start == 0
-        if c.pages.size:
-            kinds = ("main", "indexer") if whole else ("main",)
-            self._post_plan(
-                c.room, t, peer, kinds, c.pages, t.dst_pages[start:stop], t.decode_prefix_len + start * page
-            )
-        if c.is_last:
-            if c.state_pages is None or not np.array_equal(c.state_pages, sent):
-                raise PlanError(
-                    "prefill's DSA state pages are not its main KV suffix pages; the indexer would be misplaced"
-                )
-            if not whole and sent.size:
-                self._post_plan(c.room, t, peer, ("indexer",), sent, t.dst_pages, t.decode_prefix_len)
-            self._post_aux(t, peer, c.aux_index)
-            if self.glm_config.verify_checksums:
-                names, digests = zip(*self._region_digests(sent), strict=True) if sent.size else ((), ())
-                self._send_multipart_locked(
-                    NetworkAddress(t.endpoint, t.dst_port).to_tcp(),
-                    wire.frames(wire.TAG_DIGESTS, wire.Digests(c.room, list(names), list(digests))),
-                )
-
-    def _post_plan(
-        self,
-        room: int,
-        t: Target,
-        peer: _DecodePeer,
-        kinds: tuple[str, ...],
-        src: np.ndarray,
-        dst: np.ndarray,
-        first_token: int,
-    ) -> None:
-        mine = [r for r in self.caches.regions if r.kind in kinds]
-        theirs = [r for r in peer.view.regions if r.kind in kinds]
-        page = self.caches.page_tokens
-        plan = build_plan(mine, theirs, src, dst, num_tokens=first_token + src.size * page, prefix_tokens=first_token)
-        xfer = self.transport.post_plan(t.agent_name, plan, "WRITE")
-        xfer.test_fault = self.test_transfer_faults.pop(room, "")
-        self._wait(xfer)
-        self._count(plan)
-
-    def _post_aux(self, t: Target, peer: _DecodePeer, aux_index: int | None) -> None:
-        if aux_index is None or t.aux_index is None:
-            raise PlanError("the last chunk carries no metadata slot; decode could not tell the request landed")
-        src, dst, lengths = aux_runs(self.caches.aux, peer.aux, self.caches.aux_item_lens, aux_index, t.aux_index)
-        self._wait(self.transport.post(t.agent_name, "WRITE", src, dst, lengths, what="metadata row"))
-        self._add_stat("aux_bytes", float(lengths.sum()))
-
-    def _wait(self, xfer: Any) -> None:
-        try:
-            self.transport.wait(xfer, self.glm_config.timeout_s)
-        finally:
-            self.transport.release(xfer)
-
-    def _count(self, plan: TransferPlan) -> None:
-        for kind, n in plan.bytes_by_kind().items():
-            self._add_stat(f"{kind}_bytes", n)
-        for kind, n in plan.runs_by_kind().items():
-            self._add_stat(f"{kind}_runs", n)

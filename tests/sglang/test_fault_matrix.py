@@ -4,7 +4,7 @@ must end its room Failed on decode with a reason that names it (never Success fr
 bounded time, and the next room must land byte-exact; once all rooms end, neither side holds a page or any
 per-room state. Layout mismatches and a prefill that dies are in test_handoff.py.
 
-Test double: the caches are host tensors shaped as SGLang's DSA pool (no GPU); see tests/support/sglang_proc.py."""
+The caches are SGLang's own DSA pools on the CPU; the test doubles are listed in tests/support/sglang_proc.py."""
 
 import pytest
 

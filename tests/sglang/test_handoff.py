@@ -1,7 +1,8 @@
 """Two processes, real SGLang backend classes, real bootstrap server, real transports over loopback.
 
-What stands in for the GPU: the caches are host tensors shaped as SGLang's DSA pool allocates them
-(SGLang's ``device="cpu"``); everything else is SGLang's and glm-pd's own code (see tests/support/sglang_proc.py).
+The caches are SGLang's own ``DSATokenToKVPool`` on the CPU, pages come from SGLang's allocator, and prefill
+runs SGLang's bootstrap queue and send path; what remains a test double is listed in tests/support/sglang_proc.py
+and tests/support/sglang_prefill.py (the GPU's timing, decode's radix tree and batch formation).
 """
 
 import pytest
@@ -57,6 +58,10 @@ def test_replicated_tp_path(pair, prefill_tp: int, decode_tp: int) -> None:
     moved = [s.get("main_bytes", 0) for s in prefill["stats"]]
     expected = sum(suffix_pages(r) for r in requests) * MAIN_LAYERS * PAGE * 656
     assert moved == ([expected * decode_tp] if prefill_tp == 1 else [expected, 0])
+    # every rank's regions are registered on a device other than 0, its own (issue 15 item 2: descriptors built
+    # with device 0 fail on such ranks)
+    assert prefill["device_ids"] == [[1 + r] for r in range(prefill_tp)]
+    assert decode["device_ids"] == [[5 + r] for r in range(decode_tp)]
 
 
 def test_bad_requests_fail_cleanly_and_the_next_one_works(pair) -> None:

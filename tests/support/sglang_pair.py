@@ -38,7 +38,10 @@ class Pair:
         prefill_exits: bool = False,
         pool_pages: int = 48,
         e2e: dict | None = None,
+        more_decodes: tuple[list[dict], ...] = (),
     ) -> tuple[dict | None, dict]:
+        """Prefill serves ``requests``; each of ``more_decodes`` is another decode engine with its own rooms
+        (their reports land in ``self.more``), and the first decode engine takes the remaining rooms."""
         port = free_port_range(8)
         common = {
             "model": self.model,
@@ -57,6 +60,10 @@ class Pair:
             "decode": {**common, "role": "decode", "tp": decode_tp, "env": {**base_env, **(decode_env or {})},
                        "row_bytes": decode_row_bytes},
         }  # fmt: skip
+        others = {r["room"] for more in more_decodes for r in more}
+        configs["decode"]["requests"] = [r for r in requests if r["room"] not in others]
+        for i, more in enumerate(more_decodes, start=1):
+            configs[f"decode{i}"] = {**configs["decode"], "requests": more, "seed": i}
         procs = {}
         for role, cfg in configs.items():
             cfg["out"] = str(self.tmp / f"{role}-{port}.json")
@@ -82,7 +89,7 @@ class Pair:
                     proc.wait()
                 log.close()
         reports: list[dict | None] = []
-        for role in ("prefill", "decode"):
+        for role in configs:
             out = Path(configs[role]["out"])
             if role == "prefill" and prefill_exits:
                 assert not out.exists(), "prefill was to exit mid-handoff but finished"
@@ -92,4 +99,5 @@ class Pair:
                 logs = (self.tmp / f"{role}-{port}.log").read_text()[-6000:]
                 raise AssertionError(f"{role} wrote no report; its log ends:\n{logs}")
             reports.append(json.loads(out.read_text()))
+        self.more = reports[2:]
         return reports[0], reports[1]

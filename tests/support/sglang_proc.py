@@ -1,16 +1,19 @@
-"""One SGLang role (prefill or decode, one or more attention-TP ranks) driving the real backend classes.
+"""One SGLang role (prefill or decode, one or more attention-TP ranks) on SGLang's own classes, on CPU.
 
-It does what SGLang's prefill and decode schedulers do with a transfer backend, step by step:
-- caches shaped as SGLang's DSA pool allocates them on this CPU: per layer a main MLA buffer
-  ``(pool_tokens + page, 1, row)`` uint8, an indexer buffer ``(pages, page * 132)`` uint8 on full layers and
-  a 0-row one on shared layers, the draft (MTP) layer after the target's; SGLang's real ``MetadataBuffers``;
-  SGLang's real ``KVArgs``, runtime context and bootstrap server;
-- prefill: sender per rank, poll to WaitingForInput, ``pop_decode_prefix_len``, ``init``, the metadata row,
-  ``send`` in chunks with the DSA state on the last one, poll to Success/Failed, ``clear``;
-- decode: ``try_ensure_parallel_info``, receiver per rank, ``init``, ``send_metadata`` with the suffix pages
-  and ``decode_prefix_len``, poll to Success/Failed, check the metadata row, ``clear``.
-The GPU is the only thing replaced (caches live in host memory, SGLang's ``device="cpu"``). Results (poll
-walks, reasons, per-page digests of the suffix, timings) go to a JSON file for the test to compare.
+Each rank is built from SGLang's pools, allocators, metadata buffers and the role's queue, which builds
+``KVArgs`` and the glm-pd manager itself (tests/support/sglang_rank.py). Prefill runs SGLang's bootstrap
+queue and send path in the order of its overlap event loop (tests/support/sglang_prefill.py). Decode, per
+request, in the order ``DecodePreallocQueue`` / ``DecodeTransferQueue`` act: a request row from SGLang's
+``ReqToTokenPool``, pages from SGLang's allocator (its prefix hit first, then the suffix), the receiver
+(``init``, ``send_metadata`` with ``suffix_page_indices`` of the row and ``decode_prefix_len``), polling to
+Success/Failed, the metadata row read with ``MetadataBuffers.get_buf``, then release.
+
+Imitated on decode, with why: ``pop_preallocated`` and the transfer queue need the scheduler's batches,
+retraction and hicache state; their steps are taken here one request at a time. A request marked
+``radix`` takes its prefix from SGLang's ``RadixCache`` of the rank (earlier requests cached there); the
+others state a ``prefix`` whose pages decode allocates and fills itself, as a hit leaves them. Caches live
+in host memory (``device cpu``).
+Results (poll walks, reasons, per-page digests of the suffix, metadata rows, timings) go to a JSON file.
 
 Usage: python -m tests.support.sglang_proc CONFIG.json
 """
@@ -22,46 +25,39 @@ import math
 import os
 import sys
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 cfg: dict[str, Any] = json.loads(Path(sys.argv[1]).read_text())
 os.environ.update(cfg.get("env", {}))
 os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, StateType  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver  # noqa: E402
-from sglang.srt.disaggregation.utils import (  # noqa: E402
-    DisaggregationMode,
-    KVClassType,
-    MetadataBuffers,
-    TransferBackend,
-    get_kv_class,
-)
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.common import kv_to_page_indices, suffix_page_indices  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
-from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
+from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 load_plugins()
-from tests.support.tiny_dsa import PagedCache, TinyDsa  # noqa: E402
+from tests.support.sglang_prefill import PrefillLoop, meta_row, prompt_ids  # noqa: E402
+from tests.support.sglang_rank import Rank, rss_kb  # noqa: E402
+from tests.support.tiny_dsa import TinyDsa  # noqa: E402
 
 ROLE = cfg["role"]
 PAGE = cfg["page_size"]
-POOL_PAGES = cfg.get("pool_pages", 48)
-POOL_TOKENS = POOL_PAGES * PAGE
-ROW = cfg.get("row_bytes", 656)
 DEADLINE_S = cfg.get("timeout_s", 30.0)
 BOOT = f"127.0.0.1:{cfg['bootstrap_port']}"
-GEOM = json.loads((Path(cfg["model"]) / "config.json").read_text())
-NUM_LAYERS = GEOM["num_hidden_layers"]
-NUM_MTP = GEOM.get("num_nextn_predict_layers", 0)
-FULL = set(cfg["full_layers"])
 E2E = cfg.get("e2e")  # run the tiny DSA model (tests/support/tiny_dsa.py) on these caches
-MODEL = TinyDsa(NUM_LAYERS, sorted(FULL), seed=E2E["seed"]) if E2E else None
 
 server_args = prepare_server_args(
     [
@@ -72,110 +68,16 @@ server_args = prepare_server_args(
     ]
 )  # fmt: skip
 get_context().set_server_args(server_args)
-backend = TransferBackend(server_args.disaggregation_transfer_backend)
-Manager = get_kv_class(backend, KVClassType.MANAGER)
-Sender = get_kv_class(backend, KVClassType.SENDER)
-Receiver = get_kv_class(backend, KVClassType.RECEIVER)
-
-
-class Rank:
-    """One attention-TP rank: its caches (as SGLang's DSA pool shapes them), metadata buffers and manager."""
-
-    def __init__(self, rank: int) -> None:
-        gen = torch.Generator().manual_seed(cfg.get("seed", 0) * 1000 + rank * 10 + (ROLE == "decode"))
-        layers = NUM_LAYERS + NUM_MTP
-        self.main = [
-            torch.randint(0, 256, (POOL_TOKENS + PAGE, 1, ROW), dtype=torch.uint8, generator=gen) for _ in range(layers)
-        ]
-        index_rows = (POOL_TOKENS + PAGE + 1) // PAGE
-        rows = [index_rows if (i in FULL or i >= NUM_LAYERS) else 0 for i in range(layers)]  # 0 rows: shared
-        self.index = [torch.randint(0, 256, (n, PAGE * 132), dtype=torch.uint8, generator=gen) for n in rows]
-        self.meta = MetadataBuffers(8, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1)
-        self.free_pages = list(range(1, POOL_PAGES + 1))  # page 0 is SGLang's padding page
-        rng = np.random.default_rng(cfg.get("seed", 0) + 7 * rank + (ROLE == "decode"))
-        rng.shuffle(self.free_pages)
-        args = KVArgs()
-        args.engine_rank = rank
-        args.kv_data_ptrs = [t.data_ptr() for t in self.main]
-        args.kv_data_lens = [t.nbytes for t in self.main]
-        args.kv_item_lens = [t[0].nbytes * PAGE for t in self.main]
-        args.kv_layer_ids = []
-        args.num_draft_entries = NUM_MTP
-        args.kv_cache_dtype_str = server_args.kv_cache_dtype
-        args.kv_layout = None
-        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
-        args.state_types = [StateType.DSA]
-        args.state_data_ptrs = [[t.data_ptr() for t in self.index]]
-        args.state_data_lens = [[t.nbytes for t in self.index]]
-        args.state_item_lens = [[t[0].nbytes if t.shape[0] else 0 for t in self.index]]
-        args.state_layer_ids = [[]]
-        args.state_dim_per_tensor = [[]]
-        args.state_slice_outer_counts = [[]]
-        args.state_conv_shard_groups = [[]]
-        args.swa_kv_cache_layout = None
-        args.is_hybrid_mla_backend = False
-        args.ib_device = ""
-        args.gpu_id = 0
-        args.page_size = PAGE
-        args.system_dp_rank = 0
-        args.rust_http_port = None
-        args.pp_rank = 0
-        args.prefill_start_layer = 0
-        args.prefill_end_layer = None
-        args.mla_compression_ratios = None
-        get_parallel().override_permanently(
-            attn_tp_rank=rank, attn_cp_rank=0, attn_dp_rank=0, attn_dcp_rank=0, tp_rank=rank, pp_group=None
-        )
-        mode = DisaggregationMode.PREFILL if ROLE == "prefill" else DisaggregationMode.DECODE
-        self.mgr = Manager(args, mode, server_args, is_mla_backend=True)
-        self.transitions: list[tuple[int, int]] = []
-        original = self.mgr.update_status
-
-        def spy(room: int, status: int) -> None:  # observe the real status updates, in order
-            original(room, status)
-            self.transitions.append((room, int(self.mgr.request_status.get(room, -1))))
-
-        self.mgr.update_status = spy
-
-    def paged(self, table: np.ndarray) -> PagedCache:
-        """The tiny model's view of this rank's pool: page p of a layer is rows [p * PAGE, (p + 1) * PAGE)."""
-        main = {i: t.view(-1, PAGE * ROW) for i, t in enumerate(self.main)}
-        index = {i: t for i, t in enumerate(self.index) if t.shape[0]}
-        return PagedCache(main, index, table, PAGE)
-
-    def take(self, n: int) -> np.ndarray:
-        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        return np.array(pages, dtype=np.int64)
-
-    def give(self, pages: np.ndarray) -> None:
-        self.free_pages.extend(int(p) for p in pages)
-
-    def page_digests(self, pages: np.ndarray) -> list[str]:
-        """Per page: one digest over its bytes in every main and indexer buffer (what must match across)."""
-        out = []
-        for p in pages.tolist():
-            h = xxhash.xxh3_64()
-            for t in self.main:
-                h.update(t[p * PAGE : (p + 1) * PAGE].numpy().tobytes())
-            for t in self.index:
-                if t.shape[0]:
-                    h.update(t[p].numpy().tobytes())
-            out.append(h.hexdigest())
-        return out
-
-
-def rss_kb() -> int:
-    with open(f"/proc/{os.getpid()}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+MODEL_CONFIG = ModelConfig.from_server_args(server_args)
+MODEL = TinyDsa(MODEL_CONFIG.hf_config.num_hidden_layers, sorted(cfg["full_layers"]), seed=E2E["seed"]) if E2E else None
+Receiver = get_kv_class(TransferBackend(server_args.disaggregation_transfer_backend), KVClassType.RECEIVER)
 
 
 def walk(objs: list[Any], until: tuple[int, ...], deadline: float) -> list[int]:
-    """Poll every rank's object to a status in ``until`` (all ranks, as SGLang's MIN all-reduce would)."""
+    """Poll every rank's receiver to a status in ``until`` (all ranks, as SGLang's MIN all-reduce would)."""
     while True:
         states = [int(o.poll()) for o in objs]
-        if min(states) in until or KVPoll.Failed in states:
-            return states
-        if time.monotonic() > deadline:
+        if min(states) in until or KVPoll.Failed in states or time.monotonic() > deadline:
             return states
         time.sleep(0.0005)
 
@@ -188,56 +90,47 @@ def reason_of(obj: Any) -> str:
     return ""
 
 
-def run_prefill(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    results = []
-    for req in requests:
-        room, n_tokens = req["room"], req["tokens"]
-        deadline = time.monotonic() + DEADLINE_S
-        started = time.perf_counter()
-        senders = [Sender(r.mgr, BOOT, room) for r in ranks]
-        tables = [r.take(math.ceil(n_tokens / PAGE)) for r in ranks]
-        states = walk(senders, (KVPoll.WaitingForInput,), deadline)
-        out: dict[str, Any] = {"room": room}
-        if req.get("prefill_exit") == "after_bootstrap" and min(states) == KVPoll.WaitingForInput:
-            print("GLMPD_TEST exiting mid-handoff", flush=True)
-            os._exit(0)
-        fault = req.get("prefill_fault")
-        if fault in ("error", "hang"):
-            for r in ranks:
-                r.mgr.test_transfer_faults[room] = fault
-        if fault == "abort" and min(states) == KVPoll.WaitingForInput:
-            for s in senders:
-                s.abort()  # prefill's scheduler aborts the request before it computes
-            states = [int(s.poll()) for s in senders]
-        elif min(states) == KVPoll.WaitingForInput:
-            for r, s, table in zip(ranks, senders, tables, strict=True):
-                prefix = s.pop_decode_prefix_len()
-                suffix = table[prefix // PAGE :]
-                slot = room % 8
-                r.meta.bootstrap_room[slot, 0] = room
-                # prefill's first output token travels in the metadata row, as SGLang sends it
-                first = MODEL.prefill(req["prompt"], r.paged(table)) if MODEL else room % 1000
-                r.meta.output_ids[slot, 0] = first
-                s.init(len(suffix), slot)
-                step = req.get("chunk_pages") or max(len(suffix), 1)
-                starts = list(range(0, len(suffix), step)) or [0]
-                for i, a in enumerate(starts):
-                    last = i == len(starts) - 1
-                    s.send(suffix[a : a + step], [suffix] if last else None, num_kv_tokens=None)
-                out.setdefault("src_digests", []).append(r.page_digests(suffix))
-                out.setdefault("prefix", []).append(prefix)
-            states = walk(senders, (KVPoll.Success,), deadline)
-        out["states"] = states
-        out["seconds"] = time.perf_counter() - started
-        out["rss_kb"] = rss_kb()
-        out["reasons"] = [reason_of(s) if st == KVPoll.Failed else "" for s, st in zip(senders, states, strict=True)]
-        for r, s, table in zip(ranks, senders, tables, strict=True):
-            if int(s.poll()) != KVPoll.Failed:
-                s.clear()
-            r.give(table)  # the scheduler frees the request's pages either way
-            r.mgr.test_transfer_faults.pop(room, None)
-        results.append(out)
-    return results
+class DecodeSlot:
+    """One request's row, pages and metadata slot on one decode rank. With ``radix``, its prefix is what SGLang's
+    ``RadixCache`` of this rank matches (those pages are the tree's, locked while the request runs), and at
+    the end its page-aligned tokens go into the tree, as ``cache_finished_req`` leaves them."""
+
+    def __init__(self, r: Rank, ids: list[int], prefix: int, extra_tokens: int, radix: bool) -> None:
+        self.r, self.ids, self.radix, self.node = r, ids, radix, None
+        n_tokens = len(ids)
+        self.row = r.req_to_token_pool.alloc_rows(1)[0]
+        self.tokens = math.ceil((n_tokens + extra_tokens) / PAGE) * PAGE  # room for decoded tokens
+        row = r.req_to_token_pool.req_to_token[self.row]
+        if radix:  # as DecodePreallocQueue's match_kv_cache: the prompt against the tree, locked
+            match = r.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("i", ids))))
+            prefix, self.node = match.device_prefix_len, match.last_device_node
+            r.tree.inc_lock_ref(self.node)
+            row[:prefix] = r.tree.path_device_indices(self.node)[:prefix].to(torch.int32)
+        self.prefix = prefix
+        self.owned_from = prefix if radix else 0  # the tree's pages are not this request's to free
+        indices = r.allocator.alloc(self.tokens - self.owned_from)
+        if indices is None:
+            raise SystemExit("decode pool exhausted")
+        row[self.owned_from : self.tokens] = indices.to(torch.int32)
+        self.table = kv_to_page_indices(row[: self.tokens], PAGE)
+        self.suffix = suffix_page_indices(r.req_to_token_pool.req_to_token, self.row, prefix, n_tokens, PAGE)
+        self.slot = r.meta_slots.alloc()
+
+    def release(self, cache: bool) -> None:
+        r, row = self.r, self.r.req_to_token_pool.req_to_token[self.row].to(torch.int64)
+        free_from = self.owned_from
+        if self.radix and cache:
+            aligned = len(self.ids) // PAGE * PAGE
+            done = r.tree.insert(InsertParams(key=RadixKey(array("i", self.ids[:aligned])), value=row[:aligned]))
+            if done.prefix_len > self.prefix:  # pages another request put in the tree meanwhile: ours are spare
+                r.allocator.free(row[self.prefix : done.prefix_len])
+            free_from = max(aligned, self.prefix)
+        if self.node is not None:
+            r.tree.dec_lock_ref(self.node)
+        r.allocator.free(row[free_from : self.tokens])
+        r.req_to_token_pool.free_rows([self.row])
+        r.meta.clear_slot(self.slot)
+        r.meta_slots.free(self.slot)
 
 
 def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -248,6 +141,10 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
         time.sleep(0.2)
     results = []
     for req in requests:
+        time.sleep(req.get("delay_s", 0))
+        if req.get("release_resume"):
+            for r in ranks:
+                r.release_and_resume()
         room, n_tokens, prefix = req["room"], req["tokens"], req.get("prefix", 0)
         deadline = time.monotonic() + DEADLINE_S
         started = time.perf_counter()
@@ -256,17 +153,20 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
             rc.init(0)
         states = walk(receivers, (KVPoll.WaitingForInput,), deadline)
         out: dict[str, Any] = {"room": room}
-        steps = E2E["steps"] if E2E else 0
-        tables = [r.take(math.ceil((n_tokens + steps) / PAGE)) for r in ranks]  # room for decoded tokens
+        ids = req.get("prompt") or prompt_ids(room, n_tokens)
+        slots = [DecodeSlot(r, ids, prefix, E2E["steps"] if E2E else 0, bool(req.get("radix"))) for r in ranks]
+        prefix = slots[0].prefix
+        out["prefix"] = [s.prefix for s in slots]
         end = math.ceil(n_tokens / PAGE)
         fault = req.get("fault")
         if min(states) == KVPoll.WaitingForInput:
-            for r, rc, table in zip(ranks, receivers, tables, strict=True):
-                suffix = table[prefix // PAGE : end].copy()
-                if MODEL and prefix:
-                    MODEL.prefill(req["prompt"], r.paged(table), 0, prefix)  # decode's own prefix-cache hit
-                claimed = prefix
-                send = rc.send_metadata
+            for r, rc, s in zip(ranks, receivers, slots, strict=True):
+                suffix = s.suffix.copy()
+                if prefix and MODEL:  # decode's own prefix-cache hit: its pages hold what a hit leaves there
+                    MODEL.prefill(req["prompt"], r.paged(s.table), 0, prefix)
+                elif prefix and not s.radix:
+                    r.write_pages(s.table[: prefix // PAGE], seed=7 * room)
+                claimed, send = prefix, rc.send_metadata
                 if fault == "misaligned":
                     claimed = prefix + 1
                 elif fault == "misaligned_unchecked":
@@ -276,56 +176,62 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
                     send = lambda *a, _rc=rc, **k: CommonKVReceiver.send_metadata(_rc, *a, **k)  # noqa: E731
                 elif fault == "suffix_shift":
                     claimed = prefix + PAGE
-                out.setdefault("prefix_before", []).append(r.page_digests(table[: prefix // PAGE]))
-                send(suffix.astype(np.int32), room % 8, [suffix], decode_prefix_len=claimed)
+                out.setdefault("prefix_before", []).append(r.page_digests(s.table[: prefix // PAGE]))
+                send(suffix.astype(np.int32), s.slot, [suffix], decode_prefix_len=claimed)
                 if fault == "abort":
                     rc.abort()
                 if fault == "corrupt":
                     r.mgr.corrupt_next_room = room
             states = walk(receivers, (KVPoll.Success,), deadline)
-            for r, table in zip(ranks, tables, strict=True):
-                out.setdefault("dst_digests", []).append(r.page_digests(table[prefix // PAGE : end]))
-                out.setdefault("prefix_after", []).append(r.page_digests(table[: prefix // PAGE]))
-                out.setdefault("aux_room", []).append(int(r.meta.bootstrap_room[room % 8, 0]))
+            for r, s in zip(ranks, slots, strict=True):
+                out.setdefault("dst_digests", []).append(r.page_digests(s.table[prefix // PAGE : end]))
+                out.setdefault("prefix_after", []).append(r.page_digests(s.table[: prefix // PAGE]))
+                out.setdefault("aux_room", []).append(int(r.meta.bootstrap_room[s.slot, 0]))
+                out.setdefault("meta_rows", []).append(meta_row(r, s.slot))
                 if MODEL and min(states) == KVPoll.Success:
-                    cache = r.paged(table)
+                    cache = r.paged(s.table)
                     if fault == "drop_indexer":  # the negative control: the indexer pages never arrived
                         for buf in cache.index.values():
-                            buf[table[prefix // PAGE : end]] = 0
-                    first = int(r.meta.output_ids[room % 8, 0])
-                    out.setdefault("tokens", []).append(MODEL.decode(first, n_tokens, cache, steps))
+                            buf[s.table[prefix // PAGE : end]] = 0
+                    first = int(r.meta.output_ids[s.slot, 0])
+                    out.setdefault("tokens", []).append(MODEL.decode(first, n_tokens, cache, E2E["steps"]))
         out["states"] = states
         out["seconds"] = time.perf_counter() - started
         out["rss_kb"] = rss_kb()
         out["reasons"] = [
             reason_of(rc) if st == KVPoll.Failed else "" for rc, st in zip(receivers, states, strict=True)
         ]
-        for r, rc, table in zip(ranks, receivers, tables, strict=True):
+        for rc, s in zip(receivers, slots, strict=True):
             rc.clear()
-            r.give(table)
-            r.meta.bootstrap_room[room % 8, 0] = 0
+            s.release(cache=min(states) == KVPoll.Success)
         results.append(out)
+    for r in ranks:  # what the tree still holds goes back to the pool, so the page count can be checked
+        r.tree.evict(EvictParams(num_tokens=r.pool_tokens))
     return results
 
 
 def main() -> None:
+    dist.init_process_group("gloo", init_method=f"file://{cfg['out']}.dist", world_size=1, rank=0)
     if ROLE == "prefill":
         from glm_pd_sglang.endpoints import GlmPdKVBootstrapServer
 
         server = GlmPdKVBootstrapServer(host="127.0.0.1", port=cfg["bootstrap_port"])
-    ranks = [Rank(i) for i in range(cfg["tp"])]
+    ranks = [Rank(i, cfg, server_args, MODEL_CONFIG) for i in range(cfg["tp"])]
     print("GLMPD_TEST ready", flush=True)
-    run = run_prefill if ROLE == "prefill" else run_decode
-    results = run(ranks, cfg["requests"])
+    if ROLE == "prefill":
+        results = PrefillLoop(ranks, cfg, MODEL, cfg["bootstrap_port"]).run()
+    else:
+        results = run_decode(ranks, cfg["requests"])
     report = {
         "results": results,
         "transitions": [r.transitions for r in ranks],
-        "free_pages": [len(r.free_pages) for r in ranks],
-        "pool_pages": POOL_PAGES,
+        "free_pages": [r.free_pages() for r in ranks],
+        "pool_pages": cfg.get("pool_pages", 48),
         "stats": [r.mgr.stats for r in ranks],
         "refusals": [r.mgr.refusals for r in ranks],
         "leftovers": [r.mgr.leftovers() for r in ranks],
         "data_path": ranks[0].mgr.transport.info().data_path,
+        "device_ids": [sorted({reg.device_id for reg in r.mgr.caches.regions}) for r in ranks],
     }
     Path(cfg["out"]).write_text(json.dumps(report))
     if ROLE == "prefill" and cfg.get("linger_s"):

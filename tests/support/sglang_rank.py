@@ -1,0 +1,212 @@
+"""One SGLang attention-TP rank built from SGLang's own classes on CPU (used by tests/support/sglang_proc.py).
+
+Real SGLang objects: ``DSATokenToKVPool`` for the target layers and another for the draft (MTP) layer,
+``PagedTokenToKVPoolAllocator``, ``ReqToTokenPool``, ``MetadataBuffers`` (with the DSA top-k seed buffer
+when the model config asks for it), ``ReqToMetadataIdxAllocator``, and the role's queue, whose
+``_init_kv_manager`` builds ``KVArgs`` from those pools and constructs the glm-pd manager exactly as a
+scheduler does: ``PrefillBootstrapQueue`` on prefill, ``DecodePreallocQueue`` on decode.
+
+Test doubles (no GPU, no model runner here): ``SchedulerDouble`` carries only the attributes those queues
+read from SGLang's ``Scheduler`` (model config, server args, pools, the KV dtype string); the tree cache
+is absent (decode's host-receive path, which needs it, is off).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.disaggregation.base.conn import StateType
+from sglang.srt.disaggregation.decode import DecodePreallocQueue
+from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin
+from sglang.srt.disaggregation.utils import (
+    MetadataBuffers,
+    ReqToMetadataIdxAllocator,
+    TransferBackend,
+    get_dsa_seed_metadata_dim,
+)
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.runtime_context import get_context, get_parallel
+
+from tests.support.tiny_dsa import PagedCache
+
+MAX_REQS = 16  # request rows and metadata slots per rank
+
+
+class SchedulerDouble(SchedulerDisaggregationPrefillMixin):
+    """Test double for SGLang's ``Scheduler``: the attributes its disaggregation code reads, and SGLang's own
+    prefill mixin methods (``send_kv_chunk``, ``maybe_send_cached_prefix_chunk``) on top of them."""
+
+    def __init__(self, server_args: Any, model_config: ModelConfig, rank: Rank) -> None:
+        self.server_args = server_args
+        self.model_config = model_config
+        self.tp_worker = SimpleNamespace(
+            is_hybrid_swa=False,
+            model_runner=SimpleNamespace(
+                effective_logical_max_total_num_tokens=rank.pool_tokens,
+                kv_cache_dtype_str=server_args.kv_cache_dtype,
+            ),
+        )
+        self.kv_shard_widening = 1
+        self.processed_tokens_counter = 0
+        self.attn_cp_cpu_group = self.attn_tp_cpu_group = None  # the default gloo group, one process
+        self.rust_server = None
+        self.enable_hisparse = False
+        self.random_seed = 0
+        self.token_to_kv_pool_allocator = rank.allocator
+        self.req_to_token_pool = rank.req_to_token_pool
+        self.req_to_metadata_buffer_idx_allocator = rank.meta_slots
+        self.disagg_metadata_buffers = rank.meta
+        self.enable_overlap = True  # SGLang's default: the early send carries a wait_event
+        self.enable_staging = False
+        self.forward_stream = None  # replaced by the prefill loop's stream double
+        self.disagg_prefill_pending_chunk_rids: set[str] = set()
+        self.kv_checksum_computer = None
+        self.failed: list[Any] = []
+
+    def handle_bootstrap_failure(self, req: Any) -> None:
+        """SGLang's aborts the request, frees its KV and metadata slot and streams the error; here: record it."""
+        self.failed.append(req)
+        if req.metadata_buffer_index >= 0:
+            self.req_to_metadata_buffer_idx_allocator.free(req.metadata_buffer_index)
+            req.metadata_buffer_index = -1
+        req.pending_bootstrap = False
+
+
+DEVICE_BASE = {"prefill": 1, "decode": 5}  # device ids of rank 0 (DRAM registered under these ids on CPU)
+
+
+class Rank:
+    """One rank's pools, allocators, metadata buffers and the role's SGLang queue (which owns the manager)."""
+
+    def __init__(self, rank: int, cfg: dict[str, Any], server_args: Any, model_config: ModelConfig) -> None:
+        page, role = cfg["page_size"], cfg["role"]
+        self.page = page
+        self.pool_tokens = cfg.get("pool_pages", 48) * page
+        geom = model_config.hf_config
+        num_layers = geom.num_hidden_layers
+        full = set(cfg["full_layers"])
+        row = cfg.get("row_bytes", 656)
+        dsa = {"kv_lora_rank": geom.kv_lora_rank, "qk_rope_head_dim": geom.qk_rope_head_dim, "index_head_dim": 128}
+        common = {"size": self.pool_tokens, "page_size": page, "dtype": torch.float8_e4m3fn, "device": "cpu"}
+        common |= {"enable_memory_saver": False, "kv_cache_dim": row, **dsa}
+        self.pool = DSATokenToKVPool(
+            layer_num=num_layers, skip_topk_layers=[i not in full for i in range(num_layers)], **common
+        )
+        num_mtp = getattr(geom, "num_nextn_predict_layers", 0) or 0
+        self.draft = DSATokenToKVPool(layer_num=num_mtp, start_layer=num_layers, **common) if num_mtp else None
+        self.allocator = PagedTokenToKVPoolAllocator(
+            self.pool_tokens, page, torch.float8_e4m3fn, "cpu", self.pool, False
+        )
+        self.req_to_token_pool = ReqToTokenPool(MAX_REQS, geom.max_position_embeddings, "cpu", False)
+        self.meta_slots = ReqToMetadataIdxAllocator(MAX_REQS)
+        self.meta = MetadataBuffers(
+            MAX_REQS,
+            hidden_size=16,
+            hidden_states_dtype=torch.float32,
+            max_sampling_mask_tokens=1,
+            output_dsa_topk_indices_dim=get_dsa_seed_metadata_dim(geom),
+        )
+        self.main = [*self.pool.kv_buffer, *(self.draft.kv_buffer if self.draft else [])]
+        self.index = [
+            *self.pool.index_k_with_scale_buffer,
+            *(self.draft.index_k_with_scale_buffer if self.draft else []),
+        ]
+        gen = torch.Generator().manual_seed(cfg.get("seed", 0) * 1000 + rank * 10 + (role == "decode"))
+        for t in [*self.main, *self.index]:  # what earlier requests left in the pool
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+        # Each rank on its own device, never 0 (as ranks 1..7 of a node are): the regions are registered under it,
+        # so a descriptor naming another device fails. SGLang's launcher sets it the same way (``publish``).
+        get_context().config_bag("device")._set("gpu_id", DEVICE_BASE[role] + rank)
+        get_parallel().override_permanently(
+            attn_tp_rank=rank, attn_cp_rank=0, attn_dp_rank=0, attn_dcp_rank=0, tp_rank=rank,
+            pp_rank=0, pp_size=1, pp_group=None, dp_rank=None,
+            attn_tp_group=SimpleNamespace(cpu_group=None),
+        )  # fmt: skip
+        self.tree = RadixCache(
+            CacheInitParams(
+                disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+                page_size=page,
+            )
+        )  # fmt: skip
+        self.scheduler = SchedulerDouble(server_args, model_config, self)
+        backend = TransferBackend(server_args.disaggregation_transfer_backend)
+        port, tokens = cfg["bootstrap_port"], self.pool_tokens
+        if role == "prefill":
+            self.queue: Any = PrefillBootstrapQueue(
+                self.pool, self.draft, self.meta_slots, self.meta, 0, port, tokens, self.scheduler, None, backend
+            )
+            self.scheduler.disagg_prefill_bootstrap_queue = self.queue
+        else:
+            self.queue = DecodePreallocQueue(
+                self.req_to_token_pool, self.allocator, self.draft, self.meta_slots, self.meta, self.scheduler,
+                None, None, 0, port, tokens, 0, backend,
+            )  # fmt: skip
+        self.mgr = self.queue.kv_manager
+        self.transitions: list[tuple[int, int]] = []
+        original = self.mgr.update_status
+
+        def spy(room: int, status: int) -> None:  # observe the real status updates, in order
+            original(room, status)
+            self.transitions.append((room, int(self.mgr.request_status.get(room, -1))))
+
+        self.mgr.update_status = spy
+
+    def release_and_resume(self) -> None:
+        """SGLang's ``release_memory_occupation`` then ``resume_memory_occupation`` on the role's queue, with
+        the caches back at new addresses in ``KVArgs`` (the old buffers are kept: a stale registration would
+        write there, unseen)."""
+        self.queue.release_memory_occupation()
+        self.stale = [*self.main, *self.index]
+        self.main = [t.clone() for t in self.main]
+        self.index = [t.clone() if t.numel() else t for t in self.index]
+        args = self.mgr.kv_args
+        args.kv_data_ptrs = [t.data_ptr() for t in self.main]
+        args.state_data_ptrs[args.state_types.index(StateType.DSA)] = [t.data_ptr() for t in self.index]
+        self.queue.resume_memory_occupation()
+
+    def paged(self, table: np.ndarray) -> PagedCache:
+        """The tiny model's view of this rank's pool: page p of a layer is rows [p * page, (p + 1) * page)."""
+        main = {i: t.view(torch.uint8).view(-1, self.page * t.shape[-1]) for i, t in enumerate(self.main)}
+        index = {i: t for i, t in enumerate(self.index) if t.shape[0]}
+        return PagedCache(main, index, table, self.page)
+
+    def page_digests(self, pages: np.ndarray) -> list[str]:
+        """Per page: one digest over its bytes in every main and indexer buffer (what must match across)."""
+        out = []
+        for p in pages.tolist():
+            h = xxhash.xxh3_64()
+            for t in self.main:
+                h.update(t[p * self.page : (p + 1) * self.page].view(torch.uint8).numpy().tobytes())
+            for t in self.index:
+                if t.shape[0]:
+                    h.update(t[p].numpy().tobytes())
+            out.append(h.hexdigest())
+        return out
+
+    def write_pages(self, pages: np.ndarray, seed: int) -> None:
+        """What a forward leaves in these pages: fresh bytes in every main and indexer buffer."""
+        gen = torch.Generator().manual_seed(seed)
+        idx = torch.as_tensor(pages, dtype=torch.int64)
+        for t in self.main:
+            rows = t.view(-1, self.page, *t.shape[1:]).view(torch.uint8)
+            rows[idx] = torch.randint(0, 256, (len(pages), *rows.shape[1:]), dtype=torch.uint8, generator=gen)
+        for t in self.index:
+            if t.shape[0]:
+                t[idx] = torch.randint(0, 256, (len(pages), t.shape[1]), dtype=torch.uint8, generator=gen)
+
+    def free_pages(self) -> int:
+        return self.allocator.available_size() // self.page
+
+
+def rss_kb() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
