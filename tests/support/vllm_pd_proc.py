@@ -43,8 +43,8 @@ def say(obj: dict) -> None:
 class TinyDsaEngine(Engine):
     """The engine with the tiny DSA model's forward in place of the segment writer (a test double for the GPU
     forward: real cache layouts, CPU arithmetic). A request listed in ``drop_indexer_past`` has its indexer
-    pages past that many tokens zeroed before its first forward: the negative control, a handoff that moved
-    the KV but not the indexer."""
+    pages past that many tokens (its local hit) zeroed before its first forward: the negative control, a
+    handoff that moved the KV but not the indexer."""
 
     def __init__(self, job: dict) -> None:
         from glm_pd_common.layout.geometry import ModelGeometry
@@ -138,6 +138,8 @@ def run_decode(engine: Engine, job: dict, prefix: int, params: list[dict]) -> No
     def recording(request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         count, is_async = matched(request, num_computed_tokens)
         asked[request.request_id] = [num_computed_tokens, count, is_async]
+        if isinstance(engine, TinyDsaEngine) and job["e2e"].get("drop_indexer"):
+            engine.drop_indexer_past[request.request_id] = num_computed_tokens  # what vLLM holds locally stays
         return count, is_async
 
     connector.get_num_new_matched_tokens = recording  # type: ignore[method-assign]
@@ -146,9 +148,6 @@ def run_decode(engine: Engine, job: dict, prefix: int, params: list[dict]) -> No
         tokens = prompt(job, i)
         engine.add(rid, tokens, segments(job, i, len(tokens), prefix), p, max_tokens=steps)
         requests[rid] = engine.scheduler.requests[rid]
-        if job.get("e2e", {}).get("drop_indexer"):
-            assert isinstance(engine, TinyDsaEngine)
-            engine.drop_indexer_past[rid] = prefix
     serve(engine, lambda: set(rids) <= set(asked), job["wait_s"])
     say({"matched": {r: asked[r][1:] for r in rids if r in asked}, "hits": {r: asked[r][0] for r in asked}})
     tables: dict[str, list[int]] = {}  # each request's blocks, as vLLM's KVCacheManager last gave them
