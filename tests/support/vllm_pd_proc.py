@@ -148,14 +148,14 @@ def run_decode(engine: Engine, job: dict, prefix: int, params: list[dict]) -> No
         tokens = prompt(job, i)
         engine.add(rid, tokens, segments(job, i, len(tokens), prefix), p, max_tokens=steps)
         requests[rid] = engine.scheduler.requests[rid]
-    serve(engine, lambda: set(rids) <= set(asked), job["wait_s"])
-    say({"matched": {r: asked[r][1:] for r in rids if r in asked}, "hits": {r: asked[r][0] for r in asked}})
     tables: dict[str, list[int]] = {}  # each request's blocks, as vLLM's KVCacheManager last gave them
 
     def record_tables() -> None:
         for rid in set(rids) & set(engine.scheduler.requests):
             tables[rid] = list(engine.scheduler.kv_cache_manager.get_block_ids(rid)[0])
 
+    serve(engine, lambda: set(rids) <= set(asked), job["wait_s"], record_tables)  # allocation comes with asking
+    say({"matched": {r: asked[r][1:] for r in rids if r in asked}, "hits": {r: asked[r][0] for r in asked}})
     serve(engine, lambda: not set(rids) & set(engine.scheduler.requests), job["wait_s"], record_tables)
     out = {}
     for rid in rids:

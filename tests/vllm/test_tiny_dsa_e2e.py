@@ -41,11 +41,11 @@ def run(pd, prefix: int, drop_indexer: bool = False) -> tuple[dict, dict]:
         prefix_tokens=prefix,
         e2e={**e2e, "drop_indexer": drop_indexer},
     )
-    relay = prefill.read()
-    assert decode.read()["ready"]
+    relay = prefill.read(timeout=600)  # both engines compute the tiny model at once on few cores
+    assert decode.read(timeout=600)["ready"]
     decode.send(json.dumps(relay["params"]))
     decode.read()  # what vLLM asked the connector
-    report = decode.read()
+    report = decode.read(timeout=600)
     assert prefill.read()["freed"] == sorted(rids)
     return relay, report
 
