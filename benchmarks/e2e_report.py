@@ -1,6 +1,7 @@
-"""Issue 6's report for the tiny DSA model through the vLLM connector harness (tests/support/vllm_pd_proc.py, NIXL
-on loopback): per case, the bytes moved by kind, the transfer runs, and how many prompts decode to exactly
-the monolithic run's tokens. The indexer-dropped case is the negative control (tokens must differ).
+"""Issue 6's report for the tiny DSA model through the vLLM connector harness (tests/support/vllm_pd_proc.py:
+vLLM's own scheduler and block pool, NIXL on loopback): per case, the bytes moved by kind, the transfer runs,
+and how many prompts decode to exactly the monolithic run's tokens. The indexer-dropped case is the negative
+control (tokens must differ).
 Prints a table, writes JSON. Run in the vLLM venv: ``$(cat .venv-vllm-path)/bin/python benchmarks/e2e_report.py``.
 """
 
@@ -30,13 +31,15 @@ def case(model: str, logs: Path, prefix: int, drop_indexer: bool, reference: lis
     base = {"model": model, "tp": 1, "port": port, "lease_s": 90.0, "wait_s": 150.0, "tokens": 0,
             "requests": rids, "module_path": "glm_pd_vllm.connector"}  # fmt: skip
     prefill = Proc({**base, "role": "kv_producer", "engine_id": "P", "block_size": PREFILL_PAGE,
-                    "pool_tokens": 160 * 16, "prefix_tokens": 0, "e2e": e2e}, None, logs)  # fmt: skip
+                    "pool_tokens": 160 * 16, "prefix_tokens": 0, "e2e": e2e}, logs)  # fmt: skip
     try:
-        relay = prefill.read()
         decode = Proc({**base, "role": "kv_consumer", "engine_id": "D", "block_size": DECODE_PAGE,
                        "pool_tokens": 48 * 64, "prefix_tokens": prefix, "e2e": {**e2e, "drop_indexer": drop_indexer}},
-                      json.dumps(relay), logs)  # fmt: skip
+                      logs)  # fmt: skip
         try:
+            decode.read()  # ready
+            decode.send(json.dumps(prefill.read()["params"]))
+            decode.read()  # what vLLM asked the connector
             report = decode.read()
         finally:
             decode.close()

@@ -11,7 +11,8 @@ wait_for_save, transfer results, load errors, stats, clear), and the ranks' outp
 
 KV bytes are a function of (content seed, token position): the driver gives each request its content as
 segments ``[(end, seed), ...]``, so two requests sharing a prefix share its bytes, as real KV does. A decode
-request's first forward checks every block it got (prefix hit and load) against those segments.
+request's first forward checks, on every rank, every block it got (prefix hit and load) against those segments.
+A subclass may replace what the double computes (``compute``), e.g. with a tiny model's forward.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -38,10 +40,52 @@ from vllm.v1.structured_output import StructuredOutputManager
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import cache_spec
-from tests.support.vllm_pd_proc import kv_caches, vllm_config
 
 SAMPLED = 7  # the token the forward double samples
 POISON = 0xA5  # a freed, uncached block is overwritten at once, as a busy engine reuses it
+
+
+def vllm_config(job: dict, rank: int) -> VllmConfig:
+    """What ``vllm serve`` would build for one rank from the job's flags (tiny local GLM-5.x config, CPU)."""
+    extra = {
+        "side_channel_port": job["port"],
+        "allow_tcp": True,
+        "timeout_s": 20.0,
+        "lease_s": job["lease_s"],
+        "verify_checksums": True,
+        **job.get("extra", {}),
+    }
+    kv = KVTransferConfig(
+        kv_connector="GlmPdConnector",
+        kv_connector_module_path=job.get("module_path"),
+        kv_role=job["role"],
+        engine_id=job["engine_id"],
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy=job.get("failure_policy", "fail"),
+    )
+    return VllmConfig(
+        model_config=ModelConfig(model=job["model"], skip_tokenizer_init=True, enforce_eager=True),
+        cache_config=CacheConfig(block_size=job["block_size"], cache_dtype=job.get("cache_dtype", "fp8")),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=job["tp"],
+            rank=rank,
+            data_parallel_size=job.get("dp_size", 1),
+            data_parallel_rank=job.get("dp_rank", 0),
+        ),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv,
+    )
+
+
+def kv_caches(caches: HostCaches) -> dict[str, torch.Tensor]:
+    """vLLM's layer names and DSA cache shapes (``[num_blocks, 1, block_size, row]``, main and indexer) over the
+    memory the HostCaches fill and check."""
+    out = {}
+    for (kind, layer), buf in caches.buffers.items():
+        row = caches.spec.row.row_bytes if kind == "main" else caches.spec.indexer.row_bytes
+        view = torch.from_numpy(buf).view(caches.num_pages, 1, caches.page_tokens, row)
+        out[f"model.layers.{layer}.self_attn.{'attn' if kind == 'main' else 'indexer.k_cache'}"] = view
+    return out
 
 
 @dataclass
@@ -49,7 +93,7 @@ class Tracked:
     """What the driver declared about one request, and what the forward double saw."""
 
     segments: list[tuple[int, int]]  # [(end, seed)]: token bytes of [previous end, end) come from seed
-    checked: bool = False
+    checked: set[int] = field(default_factory=set)  # ranks whose caches were checked at its first forward
     table: list[int] = field(default_factory=list)  # its blocks at its first forward
     mismatched: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -109,6 +153,7 @@ class Engine:
         self.reported_recving: list[str] = []  # every finished_recving vLLM's scheduler was given
         self.reported_failed: set[str] = set()  # every failed_recving
         self.counts: dict[str, float] = {}  # the connector's stats counters, summed over steps
+        self.rank_counts: list[dict[str, float]] = [{} for _ in configs]  # the same, per TP rank (before merging)
         self._owned: set[int] = set()
 
     def _with_fault(self, submit):
@@ -149,10 +194,7 @@ class Engine:
         if conn is not None:  # what vLLM's scheduler is told, once every rank has reported
             self.reported_recving.extend(conn.finished_recving or ())
             self.reported_failed |= conn.failed_recving
-            stats = conn.kv_connector_stats
-            for key, value in (stats.data if stats is not None else {}).items():
-                if isinstance(value, int | float):  # the connector's counts (lists are per-load samples)
-                    self.counts[key] = self.counts.get(key, 0) + value
+            _add_counts(self.counts, conn.kv_connector_stats)
         for core_outputs in self.scheduler.update_from_output(out, merged).values():
             for o in core_outputs.outputs:
                 track = self.tracked.get(o.request_id)
@@ -184,6 +226,7 @@ class Engine:
             kv_connector_stats=worker.get_kv_connector_stats(),
         )
         self.invalid_block_ids |= conn.invalid_block_ids
+        _add_counts(self.rank_counts[rank], conn.kv_connector_stats)  # before vLLM's merge adds rank 1.. into rank 0's
         worker.clear_connector_metadata()
         runner.kv_connector_output = conn
         return runner
@@ -199,15 +242,22 @@ class Engine:
             table = np.asarray(self.scheduler.kv_cache_manager.get_block_ids(rid)[0], dtype=np.int64)
             start = starts[rid]
             track = self.tracked[rid]
-            if rank == 0 and not track.checked:  # what the request holds before its first forward
-                track.checked = True
+            if rank not in track.checked:  # what the request holds on this rank before its first forward
+                track.checked.add(rank)
                 track.table = table.tolist()
-                track.mismatched = _mismatched(caches, table, track.segments, start)
-            _write(caches, table, track.segments, start, start + count, request.num_prompt_tokens)
+                found = _mismatched(caches, table, track.segments, start)
+                track.mismatched += [f"rank {rank}: {m}" for m in found] if rank else found
             ids.append(rid)
-            sampled.append([SAMPLED] if start + count >= request.num_tokens else [])
+            sampled.append(self.compute(rank, request, table, start, start + count))
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=sampled)  # fmt: skip
+
+    def compute(self, rank: int, request: Request, table: np.ndarray, start: int, end: int) -> list[int]:
+        """The forward double: KV bytes of the request's segments for positions ``[start, end)`` (prompt only),
+        and the fixed token once the request's known tokens are all computed."""
+        segments = self.tracked[request.request_id].segments
+        _write(self.caches[rank], table, segments, start, end, request.num_prompt_tokens)
+        return [SAMPLED] if end >= request.num_tokens else []
 
     def _poison_freed(self) -> None:
         manager = self.scheduler.kv_cache_manager
@@ -248,6 +298,13 @@ class Engine:
         for worker in self.workers:
             worker.shutdown()
         self.connector.shutdown()
+
+
+def _add_counts(into: dict[str, float], stats) -> None:
+    """The connector's counts in one stats object (its lists are per-load samples, not counts)."""
+    for key, value in (stats.data if stats is not None else {}).items():
+        if isinstance(value, int | float):
+            into[key] = into.get(key, 0) + value
 
 
 def _segments(segments: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int, int]]:

@@ -28,7 +28,7 @@ def make_tiny_model(path: Path, **overrides) -> str:
 class Proc:
     """One vllm_pd_proc process (prefill or decode) given a JSON job; its reports are read with a deadline."""
 
-    def __init__(self, job: dict, stdin_line: str | None = None, log_dir: Path | None = None) -> None:
+    def __init__(self, job: dict, log_dir: Path | None = None) -> None:
         self.log = (log_dir or Path("/tmp")) / f"{job['role']}-{job['port']}-{time.monotonic_ns()}.log"
         self.p = subprocess.Popen(
             [sys.executable, "-m", "tests.support.vllm_pd_proc", json.dumps(job)],
@@ -40,9 +40,11 @@ class Proc:
             cwd=REPO,
         )
         self.lines = LineReader(self.p.stdout)
-        if stdin_line is not None:
-            self.p.stdin.write(stdin_line + "\n")
-            self.p.stdin.flush()
+
+    def send(self, line: str) -> None:
+        """One line on the process's stdin: decode's relay of prefill's params."""
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
 
     def read(self, timeout: float = 180) -> dict:
         """The next ``PD {json}`` report line, waiting at most ``timeout`` seconds."""

@@ -21,7 +21,7 @@ def pd(tiny_model, tmp_path):
     procs = []
     port = free_port_range(8)
 
-    def start(role: str, stdin_line: str | None = None, **kw) -> Proc:
+    def start(role: str, **kw) -> Proc:
         job = {
             "role": role,
             "engine_id": "P" if role == "kv_producer" else "D",
@@ -38,7 +38,7 @@ def pd(tiny_model, tmp_path):
             "module_path": "glm_pd_vllm.connector",
             **kw,
         }
-        proc = Proc(job, stdin_line, tmp_path)
+        proc = Proc(job, tmp_path)
         procs.append(proc)
         return proc
 

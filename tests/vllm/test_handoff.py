@@ -1,4 +1,6 @@
-"""Prefill and decode instances (separate processes) through GlmPdConnector's hooks, real NIXL on loopback."""
+"""Prefill and decode instances (separate processes, tests/support/vllm_pd_proc.py): vLLM's own Scheduler,
+KVCacheManager and block pool around GlmPdConnector, real NIXL (or Mooncake) on loopback. Expected bytes and
+blocks are computed here from what each engine reports it configured."""
 
 import json
 import os
@@ -12,23 +14,30 @@ MOVED_PER_TOKEN = 7 * 656 + 4 * 132  # tiny model: 6 layers + MTP main rows; lay
 
 def handoff(pd, prefill_kw=None, decode_kw=None, tamper=None):
     prefill = pd("kv_producer", **(prefill_kw or {}))
+    decode = pd("kv_consumer", **(decode_kw or {}))  # starts beside prefill, as a deployment's servers do
     first = prefill.read()
     params = first["params"]
     if tamper:
         tamper(params)
-    decode = pd("kv_consumer", json.dumps(params), **(decode_kw or {}))
-    matched = decode.read()["matched"]
+    assert decode.read()["ready"]
+    decode.send(json.dumps(params))
+    matched = decode.read()  # what vLLM asked the connector, and its answers
     result = decode.read()
     result["prefill_engine"] = first["engine"]
     result["logs"] = f"decode:\n{decode.log_tail()}\nprefill:\n{prefill.log_tail()}"
     return prefill, params, matched, result
 
 
+def hit(result, prefix):
+    """Decode's own prefix-cache hit: the tokens it computed first, where vLLM turned prefix caching on."""
+    return prefix if result["engine"]["prefix_caching"] else 0
+
+
 def moved_tokens(result, prefix):
-    """Tokens in whole blocks from decode's prefix to the end (both engines chose the same block size here)."""
+    """Tokens in whole blocks from decode's prefix hit to the end (both engines chose the same block size here)."""
     block = result["engine"]["block_size"]
     assert result["prefill_engine"]["block_size"] == block
-    return -(-TOKENS // block) * block - prefix  # blocks are copied whole
+    return -(-TOKENS // block) * block - hit(result, prefix)  # blocks are copied whole
 
 
 def test_the_harness_reports_what_vllm_configured(pd):
@@ -46,9 +55,11 @@ def test_suffix_moves_byte_exact_and_prefill_frees(pd, prefix):
     (p,) = params
     assert p["remote_num_tokens"] == TOKENS and p["tp_size"] == 1
     assert p["remote_page_tokens"] == result["prefill_engine"]["block_size"]
-    assert matched == {"req-1": [TOKENS - prefix, True]}
+    assert len(p["remote_block_ids"]) == -(-TOKENS // p["remote_page_tokens"])  # vLLM's blocks for the prompt
+    assert matched["hits"] == {"req-1": hit(result, prefix)}  # vLLM's own prefix-cache hit
+    assert matched["matched"] == {"req-1": [TOKENS - hit(result, prefix), True]}
     r = result["requests"]["req-1"]
-    assert r["outcome"] == "loaded", result
+    assert r["outcome"] == "loaded" and r["finish"] == "length", result
     assert r["mismatched"] == [] and result["bad_blocks"] == []
     assert r["do_remote_prefill"] is False  # a preempted request would not load twice
     (stats,) = result["stats"]
@@ -74,7 +85,7 @@ def test_tp_mismatch_each_decode_rank_reads_one_whole_copy(pd, p_tp, d_tp):
     assert params[0]["tp_size"] == p_tp
     r = result["requests"]["req-1"]
     assert r["outcome"] == "loaded", result
-    assert r["mismatched"] == []  # every decode rank's caches checked
+    assert r["mismatched"] == [] and r["checked_ranks"] == list(range(d_tp))  # every decode rank's caches checked
     per_rank = [s["bytes_main"] + s["bytes_indexer"] for s in result["stats"]]
     assert per_rank == [moved_tokens(result, 128) * MOVED_PER_TOKEN] * d_tp
     assert prefill.read()["freed"] == ["req-1"]  # on every prefill rank, dummies included
@@ -92,8 +103,9 @@ def test_fingerprint_mismatch_fails_cleanly_naming_the_field(pd, tiny_model_othe
         decode_kw = {"model": tiny_model_other_layers}
     prefill, _, _, result = handoff(pd, prefill_kw={"lease_s": 3.0, "linger_s": 60}, decode_kw=decode_kw)
     r = result["requests"]["req-1"]
-    assert r["outcome"] == "failed"
+    assert r["outcome"] == "failed" and r["finish"] == "error"
     assert needle in result["logs"]
+    assert len(r["suffix_blocks"]) == -(-TOKENS // result["engine"]["block_size"])  # no hit: all its blocks
     assert result["bad_blocks"] == r["suffix_blocks"]
     assert prefill.read()["freed"] == ["req-1"]  # by lease expiry: decode never claimed
 
@@ -118,6 +130,7 @@ def test_bad_block_ids_fail_before_anything_moves_and_the_next_request_works(pd,
         tamper=tamper,
     )
     assert result["requests"]["bad"]["outcome"] == "failed"
+    assert result["requests"]["bad"]["finish"] == "error"
     assert reason in result["logs"]
     assert result["requests"]["good"]["outcome"] == "loaded", result
     assert result["requests"]["good"]["mismatched"] == []
@@ -126,9 +139,11 @@ def test_bad_block_ids_fail_before_anything_moves_and_the_next_request_works(pd,
 
 def test_expired_lease_fails_the_request(pd):
     prefill = pd("kv_producer", lease_s=1.0, wait_s=30.0, linger_s=60)
+    decode = pd("kv_consumer")
     params = prefill.read()["params"]
     assert prefill.read()["freed"] == ["req-1"]  # the lease ran out with nobody claiming
-    decode = pd("kv_consumer", json.dumps(params))
+    assert decode.read()["ready"]
+    decode.send(json.dumps(params))
     decode.read()
     assert decode.read()["requests"]["req-1"]["outcome"] == "failed"
     assert "lease on this request already ended: expired" in decode.log_tail()
@@ -136,9 +151,11 @@ def test_expired_lease_fails_the_request(pd):
 
 def test_prefill_gone_fails_bounded(pd):
     prefill = pd("kv_producer")
+    decode = pd("kv_consumer", extra={"timeout_s": 3.0})
     params = prefill.read()["params"]
     prefill.close()
-    decode = pd("kv_consumer", json.dumps(params), extra={"timeout_s": 3.0})
+    assert decode.read()["ready"]
+    decode.send(json.dumps(params))
     decode.read()
     start = time.monotonic()
     assert decode.read(timeout=60)["requests"]["req-1"]["outcome"] == "failed"
@@ -153,7 +170,7 @@ def test_a_scale_format_the_device_does_not_write_is_refused_at_start_up(tiny_mo
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from glm_pd_common.errors import ConfigError
-    from tests.support.vllm_pd_proc import vllm_config
+    from tests.support.vllm_engine import vllm_config
 
     extra = {"indexer_scale_format": "ue8m0x4"}
     job = {"role": "kv_consumer", "engine_id": "D", "model": tiny_model, "block_size": 64, "tp": 1, "port": 5710,

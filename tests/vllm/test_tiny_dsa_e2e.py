@@ -1,8 +1,10 @@
-"""The handoff changes nothing the model computes: a tiny DSA model (tests/support/tiny_dsa.py) through the
-vLLM connector harness, prefill page 16 -> decode page 64, with and without a decode prefix hit.
+"""The handoff changes nothing the model computes: a tiny DSA model (tests/support/tiny_dsa.py) in a prefill and a
+decode engine (tests/support/vllm_pd_proc.py: vLLM's own Scheduler, KVCacheManager and block pool around
+GlmPdConnector), blocks of 16 asked at prefill and 64 at decode, with and without decode's own prefix-cache hit.
 
-Test double: the engine's forward is the tiny model's (no GPU here); its caches live in the memory the
-connector registers, in the real fp8_ds_mla and split indexer layouts, and move through GlmPdConnector."""
+Test double: the engine's forward is the tiny model's (no GPU here); it writes real fp8_ds_mla rows and split
+indexer pages into the blocks vLLM assigned, in the memory the connector registers, and samples greedily. Decode
+samples every token itself (its first from recomputing the prompt's last token, as vLLM schedules it)."""
 
 import json
 import math
@@ -31,17 +33,19 @@ def run(pd, prefix: int, drop_indexer: bool = False) -> tuple[dict, dict]:
     rids = [f"e2e-{i}" for i in range(len(PROMPTS))]
     e2e = {"prompts": PROMPTS, "steps": STEPS, "seed": 3}
     prefill = pd("kv_producer", block_size=16, pool_tokens=160 * 16, requests=rids, e2e=e2e)
-    relay = prefill.read()
     decode = pd(
         "kv_consumer",
-        json.dumps(relay),
         block_size=64,
         pool_tokens=48 * 64,
         requests=rids,
         prefix_tokens=prefix,
         e2e={**e2e, "drop_indexer": drop_indexer},
     )
-    report = decode.read()
+    relay = prefill.read(timeout=600)  # both engines compute the tiny model at once on few cores
+    assert decode.read(timeout=600)["ready"]
+    decode.send(json.dumps(relay["params"]))
+    decode.read()  # what vLLM asked the connector
+    report = decode.read(timeout=600)
     assert prefill.read()["freed"] == sorted(rids)
     return relay, report
 
@@ -49,12 +53,14 @@ def run(pd, prefix: int, drop_indexer: bool = False) -> tuple[dict, dict]:
 @pytest.mark.parametrize("prefix", [0, 64])
 def test_tokens_equal_a_monolithic_run(pd, reference, prefix: int) -> None:
     relay, report = run(pd, prefix)
+    assert relay["first"] == [ref[0] for ref in reference]  # prefill's own sampled token
     tokens = [report["requests"][f"e2e-{i}"]["tokens"] for i in range(len(PROMPTS))]
     assert all(report["requests"][f"e2e-{i}"]["loaded"] for i in range(len(PROMPTS)))
     assert tokens == reference
     stats = report["stats"][0]
     chunk = math.gcd(relay["engine"]["block_size"], report["engine"]["block_size"])  # what the engines chose
-    moved = sum(-(-len(p) // chunk) * chunk - prefix for p in PROMPTS)  # the suffix, in chunks of the gcd
+    hit = prefix if report["engine"]["prefix_caching"] else 0  # decode's own prefix-cache hit, where vLLM has one
+    moved = sum(-(-len(p) // chunk) * chunk - hit for p in PROMPTS)  # the suffix, in chunks of the gcd
     assert stats["bytes_main"] == moved * 7 * 656  # 6 target layers + MTP
     assert stats["bytes_indexer"] == moved * 4 * 132  # full layers 0-2 + MTP
 
