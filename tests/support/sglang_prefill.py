@@ -279,7 +279,8 @@ class PrefillLoop:
         out["seconds"] = time.perf_counter() - min(run.arrived for run in runs)
         out["rss_kb"] = rss_kb()
         out["reasons"] = [
-            _reason(run.req.disagg_kv_sender) if s == KVPoll.Failed else "" for run, s in zip(runs, states, strict=True)
+            reason_of(run.req.disagg_kv_sender) if s == KVPoll.Failed else ""
+            for run, s in zip(runs, states, strict=True)
         ]
         for kind in ("wait", "indices"):  # per rank: events SGLang handed over, and those the backend waited on
             out[f"{kind}_events"] = [sum(e.kind == kind for e in run.events) for run in runs]
@@ -344,7 +345,8 @@ def meta_row(r: Rank, slot: int) -> dict[str, str]:
     return out
 
 
-def _reason(obj: Any) -> str:
+def reason_of(obj: Any) -> str:
+    """Why a sender or receiver failed, as SGLang recorded it (its ``failure_exception``)."""
     try:
         obj.failure_exception()
     except Exception as exc:  # SGLang raises KVTransferError with the recorded reason

@@ -49,7 +49,7 @@ from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 load_plugins()
-from tests.support.sglang_prefill import PrefillLoop, meta_row, prompt_ids  # noqa: E402
+from tests.support.sglang_prefill import PrefillLoop, meta_row, prompt_ids, reason_of  # noqa: E402
 from tests.support.sglang_rank import Rank, rss_kb  # noqa: E402
 from tests.support.tiny_dsa import TinyDsa  # noqa: E402
 
@@ -80,14 +80,6 @@ def walk(objs: list[Any], until: tuple[int, ...], deadline: float) -> list[int]:
         if min(states) in until or KVPoll.Failed in states or time.monotonic() > deadline:
             return states
         time.sleep(0.0005)
-
-
-def reason_of(obj: Any) -> str:
-    try:
-        obj.failure_exception()
-    except Exception as exc:  # SGLang raises KVTransferError with the recorded reason
-        return str(getattr(exc, "failure_reason", exc))
-    return ""
 
 
 class DecodeSlot:
