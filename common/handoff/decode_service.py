@@ -35,7 +35,8 @@ from glm_pd_common.handoff.states import Handoff, HandoffState
 from glm_pd_common.layout.checksum import check_landed, flip_byte, moved_byte
 from glm_pd_common.layout.pages import block_pages, suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
-from glm_pd_common.layout.tp import release_group, source_rank
+from glm_pd_common.layout.shards import token_shard
+from glm_pd_common.layout.tp import SideLayout, Source, release_set, sources
 from glm_pd_common.transport.base import Transfer
 
 __all__ = ["LANES", "DecodeService", "LoadJob", "LoadResult", "RemotePrefill"]  # the jobs live in ``loads``
@@ -98,7 +99,7 @@ class DecodeService:
     def renew(self, remote: RemotePrefill, remote_request_ids: list[str]) -> None:
         """Keep prefill's leases of these requests (prefill's ids) while they wait for decode's blocks: call it
         every ``lease.renew_interval(lease_s)``. Returns at once; the lane of ``remote`` sends one batch to
-        each prefill rank this rank releases (``release_group``), handshaking first if needed. A rank that
+        each prefill rank this rank releases (``release_set``), handshaking first if needed. A rank that
         cannot be reached is logged, and its leases are left to expire (the load then fails as
         ``lease_expired``); nothing is raised here."""
         if not remote_request_ids:
@@ -169,7 +170,7 @@ class DecodeService:
         for remote, ids in pending.items():
             batch = sorted(ids)
             try:
-                ranks = release_group(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
+                ranks = release_set(self.local.shape.tp_rank, *self._layouts(remote))
             except ConfigError as exc:
                 logger.warning("glm-pd decode: cannot renew %d lease(s) on %s: %s", len(batch), remote.engine_id, exc)
                 continue
@@ -196,42 +197,34 @@ class DecodeService:
         handoff = Handoff(job.request_id)
         result = LoadResult(job.request_id, ok=False)
         remote = job.remote
-        group: list[int] = []  # stays empty if the params name a TP shape we cannot pair with: no one to tell
+        group: tuple[int, ...] = ()  # stays empty if the params name a shape we cannot pair with: no one to tell
         mark = Phases(result.phases, job.submitted_at)
         mark("queued")
         try:
-            group = release_group(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
+            prefill, decode = self._layouts(remote)
+            me = self.local.shape.tp_rank
+            group = release_set(me, prefill, decode)
+            readers = tuple(s.rank for s in sources(me, prefill, decode))  # their answers decide
             if job.read:
-                src_rank = source_rank(self.local.shape.tp_rank, remote.tp_size, self.local.shape.tp_size)
-                peer = self._peer(remote, src_rank)
+                pieces = []
+                for source in sources(me, prefill, decode):
+                    peer = self._peer(remote, source.rank)
+                    pieces.append((peer, self._plan(job, peer.view, source, result)))
                 mark("handshake")
                 handoff.advance(HandoffState.WAITING_FOR_INPUT)
-                plan = self._plan(job, peer.view, result)
                 stall(job, "stall_before_claim")
-                claim = self._ask(
-                    peer,
-                    protocol.TransferRequest(
-                        v=PROTOCOL_VERSION,
-                        request_id=job.lease_id,
-                        num_tokens=job.num_tokens,
-                        prefix_tokens=job.prefix_tokens,
-                        src_pages=plan.src_pages.tolist(),
-                        dst_pages=plan.dst_pages.tolist(),
-                        verify=self.verify_digests,
-                    ),
-                    job.lease_id,
-                    (protocol.Claimed,),
-                )
+                claims = [self._claim(peer, plan, job) for peer, plan in pieces]
                 mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
-                self._pull(peer, plan, result, job)
+                self._pull(pieces, result, job)
                 if job.test_fault == "corrupt":
-                    flip_byte(*moved_byte(plan), self.local.memory)
-                if claim.digests is not None:
-                    self._verify(peer, plan, claim.digests, job.lease_id)
+                    flip_byte(*moved_byte(next(plan for _, plan in pieces if plan.num_runs)), self.local.memory)
+                for (peer, plan), claim in zip(pieces, claims, strict=True):
+                    if claim.digests is not None:
+                        self._verify(peer, plan, claim.digests, job.lease_id)
                 stall(job, "stall_before_release")
                 mark("pull")
-            self._release(remote, group, job.lease_id, job.test_fault)
+            self._release(remote, group, readers, job.lease_id, job.test_fault)
             mark("release")
             if job.read:
                 handoff.advance(HandoffState.SUCCESS)
@@ -254,31 +247,68 @@ class DecodeService:
         )
         return result
 
-    def _plan(self, job: LoadJob, view: PeerView, result: LoadResult) -> TransferPlan:
-        d_pt = self.local.shape.page_tokens
+    def _layouts(self, remote: RemotePrefill) -> tuple[SideLayout, SideLayout]:
+        """Both sides' ranks as the pairing sees them: prefill's from the request's params, ours from our shape."""
+        g, shape = self.local.spec.geometry, self.local.shape
+        return SideLayout.of(remote.tp_size, remote.sharding, g), SideLayout.of(shape.tp_size, shape.sharding, g)
+
+    def _plan(self, job: LoadJob, view: PeerView, source: Source, result: LoadResult) -> TransferPlan:
+        """What this rank reads from one prefill rank: its token shard of the layers ``source`` serves."""
+        if view.shape.sharding != job.remote.sharding:
+            raise Refused(
+                f"prefill {view.engine_id} rank {source.rank} says its caches are sharded "
+                f"{view.shape.sharding}; the request's params say {job.remote.sharding}",
+                "refused_peer",
+            )
+        mine = token_shard(self.local.shape.tp_rank, self.local.shape.sharding)
+        d_span = mine.table_tokens(self.local.shape.page_tokens)
+        s_span = source.shard.table_tokens(view.shape.page_tokens)
         # prefill's block ids become its kernel pages by the ratio it announced at the handshake
         remote = block_pages(job.remote_pages, view.shape.pages_per_block, side="prefill")
-        src = suffix_pages(remote, job.num_tokens, job.prefix_tokens, view.shape.page_tokens, align_tokens=d_pt)
-        dst = suffix_pages(job.local_pages, job.num_tokens, job.prefix_tokens, d_pt, align_tokens=d_pt)
+        src = suffix_pages(remote, job.num_tokens, job.prefix_tokens, s_span, align_tokens=d_span)
+        dst = suffix_pages(job.local_pages, job.num_tokens, job.prefix_tokens, d_span, align_tokens=d_span)
         t0 = time.perf_counter()
         plan = build_plan(
-            view.regions, self.local.regions, src, dst, num_tokens=job.num_tokens, prefix_tokens=job.prefix_tokens
+            view.regions,
+            self.local.regions,
+            src,
+            dst,
+            num_tokens=job.num_tokens,
+            prefix_tokens=job.prefix_tokens,
+            src_shard=source.shard,
+            dst_shard=mine,
+            layers=source.layers,
         )
-        result.plan_ms = (time.perf_counter() - t0) * 1e3
-        result.pages = {"prefill": int(src.size), "decode": int(dst.size)}
+        result.plan_ms += (time.perf_counter() - t0) * 1e3
+        result.pages = {"prefill": result.pages.get("prefill", 0) + int(src.size), "decode": int(dst.size)}
         return plan
 
-    def _pull(self, peer: _Peer, plan: TransferPlan, result: LoadResult, job: LoadJob) -> None:
-        """Post every layer's runs (layer 0 first, each indexer with its layer), then wait for all."""
+    def _claim(self, peer: _Peer, plan: TransferPlan, job: LoadJob) -> protocol.Claimed:
+        claim = protocol.TransferRequest(
+            v=PROTOCOL_VERSION,
+            request_id=job.lease_id,
+            num_tokens=job.num_tokens,
+            prefix_tokens=job.prefix_tokens,
+            src_pages=plan.src_pages.tolist(),
+            dst_pages=plan.dst_pages.tolist(),
+            verify=self.verify_digests,
+        )
+        return self._ask(peer, claim, job.lease_id, (protocol.Claimed,))
+
+    def _pull(self, pieces: list[tuple[_Peer, TransferPlan]], result: LoadResult, job: LoadJob) -> None:
+        """Post every layer's runs from every source (layer 0 first, each indexer with its layer), then wait."""
         t0 = time.perf_counter()
         posted: list[Transfer] = []
         try:
-            for _, entries in plan.layers():
-                if len(posted) == 1:
-                    stall(job, "stall_mid")
-                posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
-                if len(posted) == 1 and job.test_fault.startswith("transport_"):
-                    posted[0].test_fault = job.test_fault.removeprefix("transport_")
+            for peer, plan in pieces:
+                for _, entries in plan.layers():
+                    if not any(e.num_runs for e in entries):
+                        continue  # this rank holds none of the tokens that source has of this layer
+                    if len(posted) == 1:
+                        stall(job, "stall_mid")
+                    posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
+                    if len(posted) == 1 and job.test_fault.startswith("transport_"):
+                        posted[0].test_fault = job.test_fault.removeprefix("transport_")
             for xfer in posted:
                 self.local.transport.wait(xfer, self.timeout_s)
         finally:
@@ -291,7 +321,11 @@ class DecodeService:
             for kind, n in xfer.completed_bytes_by_kind.items():
                 moved[kind] = moved.get(kind, 0) + n
         result.bytes_by_kind = moved
-        result.runs, result.runs_by_kind, result.batches = plan.num_runs, plan.runs_by_kind(), len(posted)
+        runs = {"main": 0, "indexer": 0}
+        for _, plan in pieces:
+            for kind, n in plan.runs_by_kind().items():
+                runs[kind] += n
+        result.runs, result.runs_by_kind, result.batches = sum(runs.values()), runs, len(posted)
 
     def _verify(self, peer: _Peer, plan: TransferPlan, digests: list[int], request_id: str) -> None:
         def page_digests_of(regions: list[int]) -> dict[int, list[int]]:
@@ -300,9 +334,11 @@ class DecodeService:
 
         check_landed(plan, digests, page_digests_of, self.local.memory)
 
-    def _release(self, remote: RemotePrefill, group: list[int], request_id: str, fault: str = "") -> None:
-        """Confirm to every prefill rank holding this request; the source rank's answer decides."""
-        source = group[0]
+    def _release(
+        self, remote: RemotePrefill, group: tuple[int, ...], readers: tuple[int, ...], request_id: str, fault: str = ""
+    ) -> None:
+        """Confirm to every prefill rank holding this request; every source must answer ``Released`` (its pages
+        were held until our read finished), the others only free their copy."""
         done = protocol.Done(v=PROTOCOL_VERSION, request_id=request_id)
         for rank in group:
             try:
@@ -311,11 +347,11 @@ class DecodeService:
                 if fault == "duplicate_release":
                     peer.client.send(done)
             except GlmPdError:
-                if rank == source:
+                if rank in readers:
                     raise
                 logger.warning("glm-pd decode: prefill rank %d did not confirm release of %s", rank, request_id)
 
-    def _abort(self, remote: RemotePrefill, group: list[int], request_id: str, reason: str) -> None:
+    def _abort(self, remote: RemotePrefill, group: tuple[int, ...], request_id: str, reason: str) -> None:
         for rank in group:
             peer = self._peers.get((remote.engine_id, rank))
             if peer is not None:

@@ -26,18 +26,21 @@ from glm_pd_common.errors import (
 )
 from glm_pd_common.handoff.protocol import FailureCode
 from glm_pd_common.handoff.sidechannel import SideChannelTimeout
+from glm_pd_common.layout.shards import REPLICATED, Sharding
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RemotePrefill:
-    """Where a request's prefill lives: its engine id, side-channel host, base port (rank r: +r), TP size."""
+    """Where a request's prefill lives: its engine id, side-channel host, base port (rank r: +r), TP size,
+    and how its ranks shard the caches (decode needs it to pick its sources before any handshake)."""
 
     engine_id: str
     host: str
     base_port: int
     tp_size: int
+    sharding: Sharding = REPLICATED
 
 
 @dataclass(frozen=True)

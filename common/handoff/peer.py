@@ -17,6 +17,7 @@ from glm_pd_common.layout.formats import main_page_format
 from glm_pd_common.layout.memory import HOST, MemoryReader
 from glm_pd_common.layout.pages import INT64_MAX
 from glm_pd_common.layout.regions import Region, plan_order
+from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span, Transport
 
@@ -108,7 +109,8 @@ def accept_hello(
     shape = hello.shape
     check_shape(shape, side=role)
     g = local.geometry
-    want = [("main", lay) for lay in g.all_layers] + [("indexer", lay) for lay in g.indexer_layers]
+    held = owned_layers(g.num_layers, g.num_mtp_layers, shape.sharding, shape.tp_rank, shape.tp_size)
+    want = [("main", lay) for lay in held] + [("indexer", lay) for lay in g.indexer_layers if lay in held]
     got = [(s.kind, s.layer_id) for s in hello.regions]
     if sorted(got) != sorted(want) or len(set(got)) != len(got):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))

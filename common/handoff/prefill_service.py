@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from glm_pd_common.errors import GlmPdError, LeaseExpired, ProtocolError
+from glm_pd_common.errors import GlmPdError, LeaseExpired, PlanError, ProtocolError
 from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.lease import LeaseTable
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
@@ -41,7 +41,8 @@ from glm_pd_common.handoff.sidechannel import SideChannelServer
 from glm_pd_common.layout.checksum import MAX_PAGE_QUERIES, page_digests, plan_digests
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
-from glm_pd_common.layout.tp import expected_releases
+from glm_pd_common.layout.shards import TokenShard, token_shard
+from glm_pd_common.layout.tp import SideLayout, Source, expected_releases, source_for
 
 logger = logging.getLogger(__name__)
 
@@ -302,12 +303,13 @@ class PrefillService:
         try:
             self._leases.expect(msg.request_id, self._releases_from(decode))
             lease = self._leases.claim(msg.request_id, by=ident)
+            source, theirs = self._serves(decode)
             own = suffix_pages(
                 lease.pages,
                 msg.num_tokens,
                 msg.prefix_tokens,
-                self.local.shape.page_tokens,
-                align_tokens=decode.peer.shape.page_tokens,
+                source.shard.table_tokens(self.local.shape.page_tokens),
+                align_tokens=theirs.table_tokens(decode.peer.shape.page_tokens),
             )
             if not np.array_equal(own, np.asarray(msg.src_pages, dtype=np.int64)):
                 raise GlmPdError(f"request {msg.request_id}: decode's source pages are not the pages it holds")
@@ -318,6 +320,9 @@ class PrefillService:
                 np.asarray(msg.dst_pages, dtype=np.int64),
                 num_tokens=msg.num_tokens,
                 prefix_tokens=msg.prefix_tokens,
+                src_shard=source.shard,
+                dst_shard=theirs,
+                layers=source.layers,
             )
         except GlmPdError as exc:
             code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
@@ -378,8 +383,20 @@ class PrefillService:
             self.local.transport.remove_peer(decode.agent)
             logger.info("glm-pd prefill: forgot decode %s: %s", decode.peer.engine_id, why)
 
+    def _layouts(self, decode: _Decode) -> tuple[SideLayout, SideLayout]:
+        g, mine, theirs = self.local.spec.geometry, self.local.shape, decode.peer.shape
+        return SideLayout.of(mine.tp_size, mine.sharding, g), SideLayout.of(theirs.tp_size, theirs.sharding, g)
+
+    def _serves(self, decode: _Decode) -> tuple[Source, TokenShard]:
+        """What this rank serves that decode rank (the same pairing decode computed), and decode's token shard."""
+        rank = decode.peer.shape.tp_rank
+        source = source_for(self.local.shape.tp_rank, rank, *self._layouts(decode))
+        if source is None:
+            raise PlanError(f"decode rank {rank} reads nothing from prefill rank {self.local.shape.tp_rank}")
+        return source, token_shard(rank, decode.peer.shape.sharding)
+
     def _releases_from(self, decode: _Decode) -> int:
-        return expected_releases(self.local.shape.tp_rank, self.local.shape.tp_size, decode.peer.shape.tp_size)
+        return expected_releases(self.local.shape.tp_rank, *self._layouts(decode))
 
     def _fail(self, ident: bytes, request_id: str, reason: str, code: FailureCode) -> None:
         self.server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=reason, code=code))

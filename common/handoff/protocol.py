@@ -11,6 +11,9 @@ Version history:
   carries a ``code`` from ``FAILURE_CODES``, so decode tells a lease expiry from a refusal or a bad request;
   the hello's shape carries ``pages_per_block`` (vLLM's kernel pages per scheduler block, for block ids in
   ``kv_transfer_params``); a release-only confirmation may precede the grant and is held like a claim.
+- 4: the hello's shape carries ``sharding`` (context parallelism: token and layer shards); a layer-split rank
+  announces only the layers it holds; a decode rank may claim from several prefill ranks per request, and
+  vLLM's ``kv_transfer_params`` carry prefill's sharding.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -26,7 +29,7 @@ from glm_pd_common.errors import ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.pages import INT64_MAX
 
-PROTOCOL_VERSION = 3  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
+PROTOCOL_VERSION = 4  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
 HEARTBEAT_S = 5.0  # an idle decode lane says it is alive at least this often (a wire contract, as the messages)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile

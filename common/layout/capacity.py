@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from glm_pd_common.layout.formats import IndexerFormat, MainRowFormat
@@ -18,7 +19,8 @@ from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for, suffix_page_span
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.regions import Region, build_regions
-from glm_pd_common.layout.tp import source_ranks
+from glm_pd_common.layout.shards import REPLICATED, Sharding, token_shard
+from glm_pd_common.layout.tp import SideLayout, Source, sources
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,14 @@ class AccountInputs:
     decode_tp: int = 1
     link_gbps: float = 400.0
     nics_per_rank: int = 1
+    prefill_sharding: Sharding = REPLICATED
+    decode_sharding: Sharding = REPLICATED
+
+    def layouts(self) -> tuple[SideLayout, SideLayout]:
+        return (
+            SideLayout.of(self.prefill_tp, self.prefill_sharding, self.geometry),
+            SideLayout.of(self.decode_tp, self.decode_sharding, self.geometry),
+        )
 
 
 def synthetic_regions(
@@ -72,11 +82,16 @@ def allocator_pages(num_pages: int, allocator: str, *, seed: int = 0) -> np.ndar
     raise ValueError(f"unknown allocator {allocator!r}")
 
 
-def plan_for(inputs: AccountInputs, allocator: str) -> TransferPlan:
+def plan_for(inputs: AccountInputs, allocator: str, decode_rank: int = 0, source: Source | None = None) -> TransferPlan:
+    """The plan of what ``decode_rank`` reads from ``source`` (default: its first source)."""
     g = inputs.geometry
     p_pt, d_pt = inputs.prefill_page_tokens, inputs.decode_page_tokens
-    p_first, p_end = suffix_page_span(inputs.num_tokens, inputs.prefix_tokens, p_pt, align_tokens=d_pt)
-    d_first, d_end = suffix_page_span(inputs.num_tokens, inputs.prefix_tokens, d_pt, align_tokens=d_pt)
+    prefill, decode = inputs.layouts()
+    source = source or sources(decode_rank, prefill, decode)[0]
+    mine = token_shard(decode_rank, inputs.decode_sharding)
+    p_span, d_span = source.shard.table_tokens(p_pt), mine.table_tokens(d_pt)
+    p_first, p_end = suffix_page_span(inputs.num_tokens, inputs.prefix_tokens, p_span, align_tokens=d_span)
+    d_first, d_end = suffix_page_span(inputs.num_tokens, inputs.prefix_tokens, d_span, align_tokens=d_span)
     p_pages = p_end - p_first
     d_pages = d_end - d_first
     src_regions = synthetic_regions(g, inputs.row, inputs.indexer, page_tokens=p_pt, num_pages=2 * p_pages + 1)
@@ -89,6 +104,50 @@ def plan_for(inputs: AccountInputs, allocator: str) -> TransferPlan:
         allocator_pages(d_pages, dst_kind),
         num_tokens=inputs.num_tokens,
         prefix_tokens=inputs.prefix_tokens,
+        src_shard=source.shard,
+        dst_shard=mine,
+        layers=source.layers,
+    )
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What every rank moves for one request: bytes each decode rank reads and each prefill rank sends."""
+
+    received: dict[int, dict[str, int]]  # decode rank -> bytes by kind
+    sent: dict[int, int]  # prefill rank -> bytes
+    runs: dict[str, int]  # the busiest decode rank's runs, per allocator
+    sources: dict[int, list[int]]  # decode rank -> the prefill ranks it reads
+
+
+def traffic(inputs: AccountInputs) -> Traffic:
+    """Plan every (decode rank, source) pair. Decode ranks holding the same token shard read alike, so each
+    distinct piece is planned once and counted for every rank that reads it."""
+    prefill, decode = inputs.layouts()
+    received: dict[int, dict[str, int]] = {}
+    sent = dict.fromkeys(range(inputs.prefill_tp), 0)
+    runs = {"contiguous": 0, "worst_case": 0}
+    planned: dict[tuple[int, Source], tuple[dict[str, int], int, int]] = {}
+    for d in range(inputs.decode_tp):
+        shard = token_shard(d, inputs.decode_sharding).index
+        got = {"main": 0, "indexer": 0}
+        rank_runs = {"contiguous": 0, "worst_case": 0}
+        for source in sources(d, prefill, decode):
+            key = (shard, source)
+            if key not in planned:
+                contiguous = plan_for(inputs, "contiguous", d, source)
+                worst = plan_for(inputs, "worst_case", d, source)
+                planned[key] = (contiguous.bytes_by_kind(), contiguous.num_runs, worst.num_runs)
+            by_kind, n_contiguous, n_worst = planned[key]
+            for kind, n in by_kind.items():
+                got[kind] += n
+            sent[source.rank] += sum(by_kind.values())
+            rank_runs["contiguous"] += n_contiguous
+            rank_runs["worst_case"] += n_worst
+        received[d] = got
+        runs = {k: max(runs[k], rank_runs[k]) for k in runs}
+    return Traffic(
+        received, sent, runs, {d: [s.rank for s in sources(d, prefill, decode)] for d in range(inputs.decode_tp)}
     )
 
 
@@ -99,11 +158,13 @@ def account(inputs: AccountInputs) -> dict[str, object]:
     per_token_index = len(g.full_indexer_layers) * idx.row_bytes
     per_token_mtp = g.num_mtp_layers * (row.row_bytes + idx.row_bytes)
     n = inputs.num_tokens
-    contiguous = plan_for(inputs, "contiguous")
-    worst = plan_for(inputs, "worst_case")
-    moved = contiguous.bytes_by_kind()
-    moved_total = moved["main"] + moved["indexer"]
+    contiguous = plan_for(inputs, "contiguous")  # decode rank 0's first piece: its per-layer shape
+    moves = traffic(inputs)
+    busiest = max(moves.received.values(), key=lambda k: k["main"] + k["indexer"])
+    moved_total = busiest["main"] + busiest["indexer"]
+    network = sum(k["main"] + k["indexer"] for k in moves.received.values())
     rank_bytes_per_s = inputs.link_gbps / 8 * 1e9 * inputs.nics_per_rank
+    link_bytes = max(moved_total, max(moves.sent.values()))  # each rank has its own NICs; the busiest one bounds
     layer_main = contiguous.entries[0].num_bytes
     layer_index = next((e.num_bytes for e in contiguous.entries if e.src.kind == "indexer"), 0)
     last_layer = contiguous.entries[-1].src.layer_id  # posted last: even a streamed handoff cannot hide it
@@ -121,7 +182,7 @@ def account(inputs: AccountInputs) -> dict[str, object]:
             "indexer": per_token_index * n,
             "total": (per_token_main + per_token_index) * n,
         },
-        "bytes_moved_per_rank": {**moved, "total": moved_total},
+        "bytes_moved_per_rank": {**busiest, "total": moved_total},
         "tokens": n,
         "prefix_tokens": inputs.prefix_tokens,
         "page_tokens": inputs.prefill_page_tokens,
@@ -131,15 +192,19 @@ def account(inputs: AccountInputs) -> dict[str, object]:
         "full_indexer_layers": list(g.full_indexer_layers),
         "mtp_layers": list(g.mtp_layers),
         "regions_per_rank": len(contiguous.entries),
-        "runs": {"contiguous": contiguous.num_runs, "worst_case": worst.num_runs},
+        "runs": moves.runs,
         "prefill_tp": inputs.prefill_tp,
         "decode_tp": inputs.decode_tp,
-        "source_rank_of_decode_rank": source_ranks(inputs.prefill_tp, inputs.decode_tp).tolist(),
-        "bytes_over_network": moved_total * inputs.decode_tp,
+        "prefill_sharding": msgspec.to_builtins(inputs.prefill_sharding),
+        "decode_sharding": msgspec.to_builtins(inputs.decode_sharding),
+        "sources_of_decode_rank": [moves.sources[d] for d in range(inputs.decode_tp)],
+        "bytes_received_per_decode_rank": [sum(moves.received[d].values()) for d in range(inputs.decode_tp)],
+        "bytes_sent_per_prefill_rank": [moves.sent[r] for r in range(inputs.prefill_tp)],
+        "bytes_over_network": network,
         "link_gbps": inputs.link_gbps,
         "nics_per_rank": inputs.nics_per_rank,
-        "link_seconds": moved_total / rank_bytes_per_s,
-        "exposed_seconds": moved_total / rank_bytes_per_s,  # decode waits for the whole load
+        "link_seconds": link_bytes / rank_bytes_per_s,
+        "exposed_seconds": link_bytes / rank_bytes_per_s,  # decode waits for the whole load
         "per_layer_seconds": {"main": layer_main / rank_bytes_per_s, "indexer": layer_index / rank_bytes_per_s},
         "streamed_tail_bound_seconds": tail / rank_bytes_per_s,
     }

@@ -1,8 +1,9 @@
 """Byte-relevant facts two peers must share, a stable digest of them, and a field-level diff.
 
-Page size and TP shape are not part of the fingerprint: they may differ (the plan converts them) and are
-checked for convertibility instead. The wire's protocol version is not part of it either: it lives with the
-protocol (``glm_pd_common.handoff.protocol``) and every message is checked against it before this is read.
+Page size, TP shape and context-parallel sharding are not part of the fingerprint: they may differ (the plan
+converts them) and travel in the hello's ``PeerShape``, checked for convertibility instead. The wire's protocol
+version is not part of it either: it lives with the protocol (``glm_pd_common.handoff.protocol``) and every
+message is checked against it before this is read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from glm_pd_common.errors import ConfigError, LayoutMismatch
 from glm_pd_common.layout.formats import IndexerFormat, MainRowFormat, check_page_tokens
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import MAX_PAGES_PER_BLOCK
+from glm_pd_common.layout.shards import REPLICATED, Sharding, check_sharding
 from glm_pd_common.layout.tp import SUPPORTED_TP
 
 # The meaning of the fields below: bump when the same field values would lay bytes out differently.
@@ -48,6 +50,7 @@ class PeerShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp_size: int
     tp_rank: int
     pages_per_block: int = 1  # pages in one of the engine's block ids (vLLM: kernel blocks per scheduler block)
+    sharding: Sharding = REPLICATED  # context parallelism: how this side's ranks split each request's caches
 
 
 def make_fingerprint(
@@ -101,6 +104,7 @@ def check_shape(shape: PeerShape, *, side: str) -> None:
         raise ConfigError(f"{side} tp_rank {shape.tp_rank} is outside 0..{shape.tp_size - 1}")
     if not 1 <= shape.pages_per_block <= MAX_PAGES_PER_BLOCK:
         raise ConfigError(f"{side} pages_per_block must be in 1..{MAX_PAGES_PER_BLOCK}, got {shape.pages_per_block}")
+    check_sharding(shape.sharding, tp_size=shape.tp_size, page_tokens=shape.page_tokens, side=side)
 
 
 def require_convertible(prefill: PeerShape, decode: PeerShape) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.layout.shards import Sharding, owned_layers
+from glm_pd_common.layout.spec import CacheSpec
 
 GB = 1e9
 GPU_HBM_GB = {"h100": 80.0, "h200": 141.0, "b200": 180.0}  # per GPU, as the vendor quotes it
@@ -36,6 +38,20 @@ class HbmInputs:
             raise ConfigError(f"gpu memory utilization must be in (0, 1], got {self.utilization}")
         if self.tp <= 0 or self.hbm_bytes <= 0 or self.weights_per_rank_bytes < 0 or self.reserve_bytes < 0:
             raise ConfigError("tp and HBM must be positive, weights and reserve not negative")
+
+
+def kv_bytes_per_token(spec: CacheSpec, sharding: Sharding | None, tp: int) -> int:
+    """Cache bytes per token on the busiest rank (main and indexer, MTP layers included): every layer, or
+    under a layer split the largest share of target layers any rank owns, plus the MTP layers."""
+    g = spec.geometry
+    per_layer = {
+        lay: spec.row.row_bytes + (spec.indexer.row_bytes if lay in g.indexer_layers else 0) for lay in g.all_layers
+    }
+    if sharding is None or sharding.layer_shards == 1:
+        return sum(per_layer.values())
+    # SGLang's drafter keeps its whole cache on every rank: the MTP layers count everywhere
+    held = (set(owned_layers(g.num_layers, g.num_mtp_layers, sharding, r, tp)) | set(g.mtp_layers) for r in range(tp))
+    return max(sum(per_layer[lay] for lay in layers) for layers in held)
 
 
 def tokens_per_rank(num_tokens: int, shards: int) -> int:

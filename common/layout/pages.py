@@ -14,6 +14,7 @@ import numpy as np
 
 from glm_pd_common.errors import PageOutOfRange, PlanError
 from glm_pd_common.layout.formats import PageFormat
+from glm_pd_common.layout.shards import WHOLE, TokenShard
 
 
 def num_pages_for(num_tokens: int, page_tokens: int) -> int:
@@ -61,22 +62,35 @@ class Chunks:
         return int(self.src_page_index.size)
 
 
-def transfer_chunks(num_tokens: int, prefix_tokens: int, src_page_tokens: int, dst_page_tokens: int) -> Chunks:
-    """Chunks covering tokens ``[prefix, roundup(num_tokens, chunk))``.
+def transfer_chunks(
+    num_tokens: int,
+    prefix_tokens: int,
+    src_page_tokens: int,
+    dst_page_tokens: int,
+    src_shard: TokenShard = WHOLE,
+    dst_shard: TokenShard = WHOLE,
+) -> Chunks:
+    """Chunks covering the tokens of ``[prefix, roundup(num_tokens, chunk))`` that both shards hold.
 
-    Rounding up to a whole chunk stays inside the last page of both sides (the chunk divides both page
-    sizes); with equal page sizes a chunk is a whole page, so pages are copied whole, as SGLang's
-    checksum expects.
+    A chunk is ``gcd`` of both pages and both interleaves, so it lies inside one interleave turn and one
+    page on each side: contiguous on both. Rounding up to a whole chunk stays inside the last page of both
+    sides; with equal page sizes and no sharding a chunk is a whole page, so pages are copied whole, as
+    SGLang's checksum expects. Page indices count page-table entries past the prefix (``table_tokens``
+    global tokens each); the token in a page is the token's local slot on its shard.
     """
-    chunk = math.gcd(src_page_tokens, dst_page_tokens)
-    suffix_page_span(num_tokens, prefix_tokens, dst_page_tokens, align_tokens=dst_page_tokens)
+    grains = [src_page_tokens, dst_page_tokens] + [g for g in (src_shard.grain(), dst_shard.grain()) if g]
+    chunk = math.gcd(*grains)
+    src_span, dst_span = src_shard.table_tokens(src_page_tokens), dst_shard.table_tokens(dst_page_tokens)
+    suffix_page_span(num_tokens, prefix_tokens, dst_span, align_tokens=dst_span)
     starts = np.arange(prefix_tokens, num_pages_for(num_tokens, chunk) * chunk, chunk, dtype=np.int64)
+    if src_shard.count > 1 or dst_shard.count > 1:
+        starts = starts[src_shard.owns(starts) & dst_shard.owns(starts)]
     return Chunks(
         chunk_tokens=chunk,
-        src_page_index=starts // src_page_tokens - prefix_tokens // src_page_tokens,
-        src_token_in_page=starts % src_page_tokens,
-        dst_page_index=starts // dst_page_tokens - prefix_tokens // dst_page_tokens,
-        dst_token_in_page=starts % dst_page_tokens,
+        src_page_index=starts // src_span - prefix_tokens // src_span,
+        src_token_in_page=src_shard.local(starts) % src_page_tokens,
+        dst_page_index=starts // dst_span - prefix_tokens // dst_span,
+        dst_token_in_page=dst_shard.local(starts) % dst_page_tokens,
     )
 
 

@@ -22,6 +22,7 @@ from glm_pd_common.layout.pages import (
     transfer_chunks,
 )
 from glm_pd_common.layout.regions import Region, plan_order
+from glm_pd_common.layout.shards import WHOLE, TokenShard
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class TransferPlan:
     dst_pages: np.ndarray
     num_tokens: int
     prefix_tokens: int
+    src_shard: TokenShard = WHOLE
+    dst_shard: TokenShard = WHOLE
 
     @property
     def num_runs(self) -> int:
@@ -113,19 +116,25 @@ def build_plan(
     *,
     num_tokens: int,
     prefix_tokens: int,
+    src_shard: TokenShard = WHOLE,
+    dst_shard: TokenShard = WHOLE,
+    layers: tuple[int, ...] | None = None,
 ) -> TransferPlan:
     """Plan one request. ``src_pages``/``dst_pages`` are each side's *suffix* pages (see ``suffix_pages``).
 
-    Page ids, usually supplied by the remote peer, are bounds-checked against every region before any
-    run is produced; a page listed twice is refused.
+    With sharded caches (``shards``) only the tokens both ranks hold move, and only ``layers`` (default:
+    every region's), so a plan is one piece of what a decode rank reads. Page ids, usually supplied by the
+    remote peer, are bounds-checked against every region before any run is produced; a page listed twice
+    is refused.
     """
-    src_sorted, dst_sorted = plan_order(src_regions), plan_order(dst_regions)
+    src_sorted, dst_sorted = plan_order(_chosen(src_regions, layers)), plan_order(_chosen(dst_regions, layers))
     _check_pairing(src_sorted, dst_sorted)
     src_pt = _common_page_tokens(src_sorted, "source")
     dst_pt = _common_page_tokens(dst_sorted, "destination")
-    src_ids = _checked_pages(src_pages, src_sorted, num_tokens, prefix_tokens, src_pt, dst_pt, side="source")
-    dst_ids = _checked_pages(dst_pages, dst_sorted, num_tokens, prefix_tokens, dst_pt, dst_pt, side="destination")
-    chunks = transfer_chunks(num_tokens, prefix_tokens, src_pt, dst_pt)
+    src_span, dst_span = src_shard.table_tokens(src_pt), dst_shard.table_tokens(dst_pt)
+    src_ids = _checked_pages(src_pages, src_sorted, num_tokens, prefix_tokens, src_span, dst_span, side="source")
+    dst_ids = _checked_pages(dst_pages, dst_sorted, num_tokens, prefix_tokens, dst_span, dst_span, side="destination")
+    chunks = transfer_chunks(num_tokens, prefix_tokens, src_pt, dst_pt, src_shard, dst_shard)
     cache: dict[tuple[object, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     entries = []
     for src, dst in zip(src_sorted, dst_sorted, strict=True):
@@ -151,7 +160,16 @@ def build_plan(
         dst_pages=dst_ids,
         num_tokens=num_tokens,
         prefix_tokens=prefix_tokens,
+        src_shard=src_shard,
+        dst_shard=dst_shard,
     )
+
+
+def _chosen(regions: list[Region], layers: tuple[int, ...] | None) -> list[Region]:
+    if layers is None:
+        return regions
+    wanted = set(layers)
+    return [r for r in regions if r.layer_id in wanted]
 
 
 def _check_pairing(src: list[Region], dst: list[Region]) -> None:
@@ -180,17 +198,17 @@ def _checked_pages(
     regions: list[Region],
     num_tokens: int,
     prefix_tokens: int,
-    page_tokens: int,
+    table_tokens: int,
     align_tokens: int,
     *,
     side: str,
 ) -> np.ndarray:
-    first, end = suffix_page_span(num_tokens, prefix_tokens, page_tokens, align_tokens=align_tokens)
+    first, end = suffix_page_span(num_tokens, prefix_tokens, table_tokens, align_tokens=align_tokens)
     ids = as_page_ids(pages, side=side)
     if ids.ndim != 1 or ids.size != end - first:
         raise PlanError(
             f"{side} lists {ids.size} suffix pages; tokens {prefix_tokens}..{num_tokens} in pages of "
-            f"{page_tokens} need {end - first}"
+            f"{table_tokens} need {end - first}"
         )
     by_bound: dict[int, Region] = {}
     for r in regions:

@@ -83,17 +83,20 @@ def build_regions(
     indexer_stride: int | None = None,
     mem_kind: MemKind = "DRAM",
     device_id: int = 0,
+    held: tuple[int, ...] | None = None,
 ) -> list[Region]:
     """Describe a rank's caches as regions in plan order, checked against the geometry.
 
-    The layer sets must be exactly the geometry's: an indexer buffer on a shared layer, or a full layer
-    without one, means the engine and glm-pd disagree about the model and nothing may move.
+    The layer sets must be exactly the geometry's (or, under a layer split, exactly the ``held`` layers'):
+    an indexer buffer on a shared layer, or a full layer without one, means the engine and glm-pd disagree
+    about the model and nothing may move.
     """
-    _check_layer_set("main", set(main_addrs), set(geometry.all_layers))
-    _check_layer_set("indexer", set(indexer_addrs), set(geometry.indexer_layers))
+    layers = geometry.all_layers if held is None else held
+    _check_layer_set("main", set(main_addrs), set(layers))
+    _check_layer_set("indexer", set(indexer_addrs), set(geometry.indexer_layers) & set(layers))
     main_fmt, idx_fmt = main_page_format(row), indexer.page_format
     regions: list[Region] = []
-    for layer in geometry.all_layers:
+    for layer in layers:
         is_mtp = layer >= geometry.num_layers
         specs = [("main", main_addrs[layer], main_fmt, main_stride)]
         if layer in indexer_addrs:

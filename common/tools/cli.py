@@ -17,6 +17,7 @@ from glm_pd_common.layout.cache_dtypes import DEFAULT_CACHE_DTYPE, ENGINES, row_
 from glm_pd_common.layout.formats import main_row_format
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.hbm import GPU_HBM_GB
+from glm_pd_common.layout.shards import Sharding
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, require_transport
 
@@ -94,8 +95,12 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     hbm.add_argument("--weights-gb", type=float, help="checkpoint size in GB, split over TP (default: the config "
                      "folder's safetensors index, or the preset's FP8 checkpoint)")  # fmt: skip
     hbm.add_argument("--reserve-gb", type=float, default=4.0, help="activations and workspace per rank (4)")
-    hbm.add_argument("--prefill-cp", type=int, default=1, help="prefill's context-parallel size (tokens sharded)")
-    hbm.add_argument("--decode-dcp", type=int, default=1, help="decode's context-parallel size (tokens sharded)")
+    cp = p.add_argument_group("context parallelism: how each side's ranks shard the caches (default: replicated)")
+    cp.add_argument("--prefill-cp", type=int, default=1, help="prefill's token shards (vLLM -dcp on prefill)")
+    cp.add_argument("--prefill-layer-split", type=int, default=1, help="prefill's layer shards (SGLang CP layer split)")
+    cp.add_argument("--decode-dcp", type=int, default=1, help="decode's token shards (vLLM -dcp)")
+    cp.add_argument("--prefill-interleave", type=int, default=1, help="prefill's tokens per shard turn (1)")
+    cp.add_argument("--decode-interleave", type=int, default=1, help="decode's tokens per shard turn (1)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_plan)
 
@@ -110,7 +115,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.tokens <= 0:
         raise GlmPdError("--tokens must be positive")
     decode_pt = args.decode_page_tokens or args.page_tokens
-    require_convertible(PeerShape(args.page_tokens, args.prefill_tp, 0), PeerShape(decode_pt, args.decode_tp, 0))
+    prefill_sharding = Sharding(args.prefill_cp, args.prefill_interleave, args.prefill_layer_split)
+    decode_sharding = Sharding(args.decode_dcp, args.decode_interleave)
+    require_convertible(
+        PeerShape(args.page_tokens, args.prefill_tp, 0, sharding=prefill_sharding),
+        PeerShape(decode_pt, args.decode_tp, 0, sharding=decode_sharding),
+    )
     spec = cache_spec(args)
     result = account(
         AccountInputs(
@@ -125,11 +135,13 @@ def _run_plan(args: argparse.Namespace) -> int:
             decode_tp=args.decode_tp,
             link_gbps=args.link_gbps,
             nics_per_rank=args.nics,
+            prefill_sharding=prefill_sharding,
+            decode_sharding=decode_sharding,
         )
     )
     result["engine"] = args.engine
     result["kv_cache_dtype"] = cache_dtype(args)
-    result["hbm"] = hbm_sides(args, int(result["bytes_per_token_with_mtp"]))  # type: ignore[call-overload]
+    result["hbm"] = hbm_sides(args, spec, prefill_sharding)
     result["main_rows_by_backend"] = main_rows_by_backend(args, spec.geometry)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -138,21 +150,22 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def hbm_sides(args: argparse.Namespace, kv_bytes_per_token: int) -> dict[str, object] | None:
-    """The HBM account of a prefill and a decode rank (None when the checkpoint size is unknown)."""
-    from glm_pd_common.layout.hbm import GB, HbmInputs, checkpoint_bytes, hbm_account
+def hbm_sides(args: argparse.Namespace, spec: CacheSpec, prefill_sharding: Sharding) -> dict[str, object] | None:
+    """The HBM account of a prefill and a decode rank (None when the checkpoint size is unknown). Under a
+    layer split the busiest prefill rank holds every token of its share of the layers."""
+    from glm_pd_common.layout.hbm import GB, HbmInputs, checkpoint_bytes, hbm_account, kv_bytes_per_token
 
     weights = args.weights_gb * GB if args.weights_gb is not None else checkpoint_bytes(args.config, args.preset)
     if weights is None:
         return None
     hbm = (args.hbm_gb if args.hbm_gb is not None else GPU_HBM_GB[args.gpu]) * GB
     out: dict[str, object] = {"gpu": args.gpu if args.hbm_gb is None else f"{args.hbm_gb:g} GB"}
-    for side, tp, shards in (
-        ("prefill", args.prefill_tp, args.prefill_cp),
-        ("decode", args.decode_tp, args.decode_dcp),
+    for side, tp, shards, sharding in (
+        ("prefill", args.prefill_tp, args.prefill_cp, prefill_sharding),
+        ("decode", args.decode_tp, args.decode_dcp, None),
     ):
         inputs = HbmInputs(
-            kv_bytes_per_token=kv_bytes_per_token,
+            kv_bytes_per_token=kv_bytes_per_token(spec, sharding, tp),
             num_tokens=args.tokens,
             tp=tp,
             hbm_bytes=hbm,
@@ -161,6 +174,7 @@ def hbm_sides(args: argparse.Namespace, kv_bytes_per_token: int) -> dict[str, ob
             reserve_bytes=args.reserve_gb * GB,
         )
         out[side] = hbm_account(inputs, shards)
+        out[side]["layer_split"] = sharding.layer_shards if sharding else 1  # type: ignore[index]
     return out
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.regions import MemKind, Region, build_regions
+from glm_pd_common.layout.shards import WHOLE, TokenShard
 from glm_pd_common.layout.spec import CacheSpec
 
 _BLOCK_TOKENS = 16384  # bounds the temporaries of one block to ~100 MB
@@ -92,16 +93,27 @@ class HostCaches:
     """One rank's caches in host memory: a numpy buffer per region, described as core regions."""
 
     def __init__(
-        self, spec: CacheSpec, *, page_tokens: int, num_pages: int, page_padding: int = 0, mem_kind: MemKind = "DRAM"
+        self,
+        spec: CacheSpec,
+        *,
+        page_tokens: int,
+        num_pages: int,
+        page_padding: int = 0,
+        mem_kind: MemKind = "DRAM",
+        shard: TokenShard = WHOLE,
+        held: tuple[int, ...] | None = None,
     ) -> None:
+        """``shard``: the tokens this rank holds, each at its local slot (context parallelism); ``held``: the
+        layers it holds (a layer split; default every layer)."""
         self.spec = spec
         self.page_tokens = page_tokens
         self.num_pages = num_pages
+        self.shard = shard
         g = spec.geometry
         main_page = spec.row.row_bytes * page_tokens
         index_page = spec.indexer.row_bytes * page_tokens
         self.buffers: dict[tuple[str, int], np.ndarray] = {}
-        for layer in g.all_layers:
+        for layer in g.all_layers if held is None else held:
             self.buffers["main", layer] = _touched((num_pages, main_page + page_padding))
             if g.is_full(layer):
                 self.buffers["indexer", layer] = _touched((num_pages, index_page + page_padding))
@@ -116,6 +128,7 @@ class HostCaches:
             main_stride=main_page + page_padding,
             indexer_stride=index_page + page_padding,
             mem_kind=mem_kind,
+            held=held,
         )
 
     @staticmethod
@@ -125,7 +138,9 @@ class HostCaches:
         return per_page * page_tokens * num_pages
 
     def _segments(self, region: Region, page_table: np.ndarray, tokens: np.ndarray):
-        """Per segment: (a (pages, page_tokens, width) view of the buffer, page ids, token-in-page, columns)."""
+        """Per segment: (a (pages, page_tokens, width) view of the buffer, page ids, token-in-page, columns).
+        ``tokens`` are this rank's own (``owned``), placed at their local slots."""
+        tokens = self.shard.local(tokens)
         page_index = tokens // self.page_tokens
         if page_index.size and page_index.max() >= page_table.size:
             raise ConfigError(f"page table of {page_table.size} pages cannot hold token {int(tokens.max())}")
@@ -143,10 +158,14 @@ class HostCaches:
             col += width
         return out
 
+    def owned(self, start: int, end: int) -> list[np.ndarray]:
+        """This rank's tokens of ``[start, end)``, in blocks."""
+        return [b[self.shard.owns(b)] for b in _blocks(start, end)]
+
     def write_tokens(self, page_table: np.ndarray, start: int, end: int, *, seed: int) -> None:
-        """Write tokens ``[start, end)`` of a request whose pages are ``page_table``."""
+        """Write this rank's tokens of ``[start, end)`` of a request whose pages are ``page_table``."""
         table = np.asarray(page_table, dtype=np.int64)
-        for tokens in _blocks(start, end):
+        for tokens in self.owned(start, end):
             for region in self.regions:
                 data = token_rows(self.spec, region.kind, region.layer_id, tokens, seed)
                 for view, pages, in_page, cols in self._segments(region, table, tokens):
@@ -158,9 +177,10 @@ class HostCaches:
         return np.concatenate(parts, axis=1)
 
     def mismatched_tokens(self, page_table: np.ndarray, start: int, end: int, *, seed: int) -> list[str]:
-        """Regions whose tokens ``[start, end)`` differ from the expected content, with the first bad token."""
+        """Regions whose tokens (this rank's) of ``[start, end)`` differ from the expected content, with the
+        first bad token."""
         wrong: dict[str, list[int]] = {}
-        for tokens in _blocks(start, end):
+        for tokens in self.owned(start, end):
             for region in self.regions:
                 got = self.read_tokens(region, page_table, tokens)
                 want = token_rows(self.spec, region.kind, region.layer_id, tokens, seed)
@@ -173,7 +193,7 @@ class HostCaches:
     def equal_bytes(self, page_table: np.ndarray, start: int, end: int, *, seed: int) -> int:
         """How many bytes of tokens ``[start, end)``, over every region, equal the content ``seed`` writes."""
         same = 0
-        for tokens in _blocks(start, end):
+        for tokens in self.owned(start, end):
             for region in self.regions:
                 got = self.read_tokens(region, page_table, tokens)
                 same += int(np.count_nonzero(got == token_rows(self.spec, region.kind, region.layer_id, tokens, seed)))

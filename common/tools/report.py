@@ -34,6 +34,14 @@ def cache_dtype_line(a: dict) -> str:
     return line
 
 
+def sharding_text(sharding: dict) -> str:
+    if sharding["layer_shards"] > 1:
+        return f"layers split over {sharding['layer_shards']} ranks"
+    if sharding["token_shards"] > 1:
+        return f"tokens sharded over {sharding['token_shards']} ranks, {sharding['interleave']} per turn"
+    return "caches replicated on every rank"
+
+
 def print_account(a: dict) -> None:
     bpt, req, moved = a["bytes_per_token"], a["bytes_per_request"], a["bytes_moved_per_rank"]
     rows = [
@@ -52,18 +60,16 @@ def print_account(a: dict) -> None:
         ("suffix pages moved", f"{a['suffix_pages']:,}"),
         ("regions per rank", str(a["regions_per_rank"])),
         (
-            "moved per decode rank",
+            "moved per decode rank (most)",
             f"{human_bytes(moved['total'])} "
             f"(main {human_bytes(moved['main'])}, indexer {human_bytes(moved['indexer'])})",
         ),
         ("runs, contiguous alloc", f"{a['runs']['contiguous']:,}"),
         ("runs, worst-case alloc", f"{a['runs']['worst_case']:,}"),
-        (
-            "TP prefill -> decode",
-            f"{a['prefill_tp']} -> {a['decode_tp']}, decode rank r reads prefill rank "
-            f"{a['source_rank_of_decode_rank']}[r]",
-        ),
-        ("bytes over the network", f"{human_bytes(a['bytes_over_network'])} (one whole copy per decode rank)"),
+        ("prefill ranks", f"TP {a['prefill_tp']}, {sharding_text(a['prefill_sharding'])}"),
+        ("decode ranks", f"TP {a['decode_tp']}, {sharding_text(a['decode_sharding'])}"),
+        ("decode rank r reads", f"prefill ranks {a['sources_of_decode_rank']}[r]"),
+        ("bytes over the network", f"{human_bytes(a['bytes_over_network'])} (every decode rank's reads)"),
         ("link", f"{a['nics_per_rank']} x {a['link_gbps']:g} Gbit/s per decode rank"),
         ("time on the link", human_seconds(a["link_seconds"])),
         (
@@ -91,6 +97,8 @@ def hbm_rows(hbm: dict | None) -> list[tuple[str, str]]:
         h = hbm[side]
         cp = "DCP" if side == "decode" else "CP"
         layout = "replicated" if h["context_parallel"] == 1 else f"{cp} {h['context_parallel']}"
+        if h["layer_split"] > 1:
+            layout = f"layers split {h['layer_split']} ways"
         budget = (
             f"{hbm['gpu']} {human_bytes(h['hbm_bytes'])} x {h['utilization']:g} - weights "
             f"{human_bytes(h['weights_per_rank_bytes'])} - reserve {human_bytes(h['reserve_bytes'])} = "
@@ -102,7 +110,7 @@ def hbm_rows(hbm: dict | None) -> list[tuple[str, str]]:
         elif need is None:
             verdict = f"does not fit, even with {cp} = TP"
         else:
-            verdict = f"does not fit; needs {cp} >= {need} (glm-pd does not move sharded caches yet)"
+            verdict = f"does not fit; needs {cp} >= {need}"
         rows.append((f"{side} rank HBM", budget))
         rows.append((f"{side} request KV", f"{human_bytes(h['kv_per_rank_bytes'])} per rank ({layout}): {verdict}"))
     return rows

@@ -34,7 +34,8 @@ def test_prefix_hit_shrinks_what_moves(capsys):
     a = run_json(capsys, "--tokens", "128k", "--prefix-tokens", "64k", "--decode-tp", "8", "--prefill-tp", "4")
     assert a["suffix_pages"] == 1024
     assert a["bytes_moved_per_rank"]["total"] == (53_940 + 656 + 132) * 65_536
-    assert a["source_rank_of_decode_rank"] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert a["sources_of_decode_rank"] == [[0], [0], [1], [1], [2], [2], [3], [3]]
+    assert a["bytes_over_network"] == 8 * a["bytes_moved_per_rank"]["total"]
 
 
 def test_human_output_runs(capsys):
