@@ -34,6 +34,13 @@ def cache_dtype_line(a: dict) -> str:
     return line
 
 
+def scattered_note(a: dict) -> str:
+    """More runs than pages even with contiguous pages: the two sides' token shards do not line up."""
+    if a["runs"]["contiguous"] <= a["regions_per_rank"] * a["suffix_pages"]:
+        return ""
+    return " (scattered: decode ranks hold tokens that are not whole prefill pages; shard both sides alike, or interleave whole pages)"
+
+
 def sharding_text(sharding: dict) -> str:
     if sharding["layer_shards"] > 1:
         return f"layers split over {sharding['layer_shards']} ranks"
@@ -64,7 +71,7 @@ def print_account(a: dict) -> None:
             f"{human_bytes(moved['total'])} "
             f"(main {human_bytes(moved['main'])}, indexer {human_bytes(moved['indexer'])})",
         ),
-        ("runs, contiguous alloc", f"{a['runs']['contiguous']:,}"),
+        ("runs, contiguous alloc", f"{a['runs']['contiguous']:,}{scattered_note(a)}"),
         ("runs, worst-case alloc", f"{a['runs']['worst_case']:,}"),
         ("prefill ranks", f"TP {a['prefill_tp']}, {sharding_text(a['prefill_sharding'])}"),
         ("decode ranks", f"TP {a['decode_tp']}, {sharding_text(a['decode_sharding'])}"),

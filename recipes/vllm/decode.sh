@@ -5,6 +5,10 @@ set -euo pipefail
 MODEL=${MODEL:-zai-org/GLM-5.3-FP8}
 PORT=${PORT:-8200}
 VLLM=${VLLM:-vllm}
+# Context parallelism: each of the 8 ranks holds every 8th token (7.2 GB of a 1M-token request, not 57.4 GB,
+# which an H200 cannot hold beside its 89 GB of weights). DCP=1 (replicated) fits a B200. glm-pd reads
+# each decode rank's tokens from the prefill rank holding them: one copy over the network in all.
+DCP=${DCP:-8}
 
 export UCX_TLS=${UCX_TLS:-rc,cuda_ipc,cuda_copy}
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1}
@@ -14,6 +18,7 @@ exec "$VLLM" serve "$MODEL" \
   --served-model-name glm-5.3 \
   --host 0.0.0.0 --port "$PORT" \
   --tensor-parallel-size 8 \
+  --decode-context-parallel-size "$DCP" \
   --kv-cache-dtype fp8 \
   --block-size 64 \
   --max-model-len 1048576 \

@@ -7,6 +7,10 @@ MODEL=${MODEL:-zai-org/GLM-5.3-FP8}
 PORT=${PORT:-8100}
 SIDE_CHANNEL_PORT=${SIDE_CHANNEL_PORT:-5710}  # TP rank r listens on SIDE_CHANNEL_PORT + r
 VLLM=${VLLM:-vllm}
+# Context parallelism: each of the 8 ranks holds every 8th token (7.2 GB of a 1M-token request, not 57.4 GB,
+# which an H200 cannot hold beside its 89 GB of weights). DCP=1 (replicated) fits a B200. glm-pd reads
+# each decode rank's tokens from the prefill rank holding them: one copy over the network in all.
+DCP=${DCP:-8}
 
 # UCX (under NIXL): RDMA for bytes between nodes, cuda_ipc/cuda_copy for GPU memory, nothing over TCP.
 export UCX_TLS=${UCX_TLS:-rc,cuda_ipc,cuda_copy}
@@ -16,6 +20,7 @@ exec "$VLLM" serve "$MODEL" \
   --served-model-name glm-5.3 \
   --host 0.0.0.0 --port "$PORT" \
   --tensor-parallel-size 8 \
+  --decode-context-parallel-size "$DCP" \
   --kv-cache-dtype fp8 \
   --block-size 64 \
   --max-model-len 1048576 \

@@ -26,6 +26,7 @@ kv = args.kv_transfer_config
 print("PARSED " + json.dumps({
     "kv_type": type(kv).__name__, "kv_connector": kv.kv_connector, "module_path": kv.kv_connector_module_path,
     "kv_role": kv.kv_role, "extra": kv.kv_connector_extra_config, "tp": args.tensor_parallel_size,
+    "dcp": args.decode_context_parallel_size,
     "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len,
     "speculative_config": args.speculative_config, "model_tag": args.model_tag,
 }))
@@ -56,9 +57,15 @@ def test_serve_commands_parse(run_recipe, script: str, role: str) -> None:
     config = GlmPdVllmConfig.from_extra(args["extra"])  # unknown keys or bad types would raise
     if role == "kv_producer":
         assert config.side_channel_host == "10.0.0.1" and config.side_channel_port == 5710
-    assert args["tp"] == 8 and args["block_size"] == 64 and args["kv_cache_dtype"] == "fp8"
+    assert args["tp"] == 8 and args["dcp"] == 8 and args["block_size"] == 64 and args["kv_cache_dtype"] == "fp8"
     assert args["max_model_len"] == 1048576 and args["speculative_config"]["method"] == "mtp"
     assert env["UCX_TLS"] == "rc,cuda_ipc,cuda_copy" and env["UCX_NET_DEVICES"].startswith("mlx5_0:1")
+
+
+def test_dcp_1_runs_replicated(run_recipe) -> None:
+    """The B200 variant: DCP=1 (a 1M-token request replicated fits its 180 GB)."""
+    argv, _ = run_recipe("vllm/decode.sh", DCP="1")
+    assert parse_serve(argv)["dcp"] == 1
 
 
 def test_a_bad_flag_is_refused_by_vllm(run_recipe) -> None:
