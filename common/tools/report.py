@@ -38,7 +38,10 @@ def scattered_note(a: dict) -> str:
     """More runs than pages even with contiguous pages: the two sides' token shards do not line up."""
     if a["runs"]["contiguous"] <= a["regions_per_rank"] * a["suffix_pages"]:
         return ""
-    return " (scattered: decode ranks hold tokens that are not whole prefill pages; shard both sides alike, or interleave whole pages)"
+    return (
+        " (scattered: decode ranks hold tokens that are not whole prefill pages; shard both sides alike, "
+        "or interleave whole pages)"
+    )
 
 
 def sharding_text(sharding: dict) -> str:
