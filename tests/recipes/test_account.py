@@ -28,7 +28,8 @@ def test_the_guide_calls_the_whole_load_exposed() -> None:
     assert "exposed tail" not in text
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["plan", "--json", "--tokens", "1M", "--prefill-tp", "8", "--decode-tp", "8"]) == 0
+        argv = ["plan", "--json", "--tokens", "1M", "--prefill-tp", "8", "--decode-tp", "8"]
+        assert main([*argv, "--prefill-cp", "8", "--decode-dcp", "8"]) == 0
     account = json.loads(out.getvalue())
     assert f"waits {account['exposed_seconds']:.2f} s for its KV" in text
     assert f"The {account['streamed_tail_bound_seconds'] * 1e3:.1f} ms is only the" in text
