@@ -86,6 +86,12 @@ class LeaseTable:
         lease.expires_at = max(lease.expires_at, self._clock() + self.ttl_s)
         return True
 
+    def hold_over(self, seconds: float) -> None:
+        """Prefill could not answer for ``seconds`` (its thread was held up): that time is not decode's, so
+        every lease runs that much longer. The pages are still held, so nothing unsafe is served."""
+        for lease in self._leases.values():
+            lease.expires_at += seconds
+
     def release(self, request_id: str) -> np.ndarray | None:
         """A decode rank confirms its read; raises ``LeaseExpired`` if the pages were not held to now.
         Returns the pages once the last expected confirmation arrives (the caller frees them), else None."""

@@ -10,6 +10,8 @@ waits beside the grant, and the service thread polls the event once per loop tur
 than blocking on it, so other requests are served meanwhile and every piece of state stays on this one
 thread. The lease clock starts when the event completes, so a slow GPU never uses up decode's time; a grant
 whose event has not completed within a lease ends as expired (a hung GPU must not hold pages forever).
+Leases measure decode's time: when this thread itself was away (held up for longer than ``_AWAY_S``), every
+lease and pending claim is held over by as long, and what queued meanwhile is answered before leases expire.
 Decode renews the leases of requests still waiting for its blocks (``Renew``); only unclaimed live leases
 are extended.
 A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
@@ -37,7 +39,7 @@ from glm_pd_common.handoff.lease import LeaseTable
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.queues import drain
-from glm_pd_common.handoff.sidechannel import SideChannelServer
+from glm_pd_common.handoff.sidechannel import SideChannelServer, SideChannelTimeout
 from glm_pd_common.layout.checksum import MAX_PAGE_QUERIES, page_digests, plan_digests
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
@@ -45,6 +47,9 @@ from glm_pd_common.layout.shards import TokenShard, token_shard
 from glm_pd_common.layout.tp import SideLayout, Source, expected_releases, source_for
 
 logger = logging.getLogger(__name__)
+
+_QUEUED_PER_TURN = 256  # messages answered before expiry each turn; more wait a turn (grants are not starved)
+_AWAY_S = 0.5  # this long between two looks at the socket means the thread was held up (a turn takes ms)
 
 
 class ReadyEvent(Protocol):
@@ -103,6 +108,7 @@ class PrefillService:
             peer_idle_s = max(lease_s + timeout_s, 3 * protocol.HEARTBEAT_S)
         self.peer_idle_s = peer_idle_s
         self._next_idle_check = 0.0
+        self._last_listen = time.monotonic()
         self.server = SideChannelServer(host, port)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
         self._grants: queue.SimpleQueue[tuple[str, np.ndarray, ReadyEvent | None]] = queue.SimpleQueue()
@@ -161,6 +167,10 @@ class PrefillService:
         for request_id, pages, ready in drain(self._grants):
             self._on_grant(request_id, pages, ready)
         self._poll_unready()
+        # What queued up while this thread was away is answered before leases expire.
+        for _ in range(_QUEUED_PER_TURN):
+            if not self._serve(timeout_s=0.0):
+                break
         for lease in self._leases.expire():
             self._end(Finished(lease.request_id, "expired", "lease expired before decode confirmed"))
         now = time.monotonic()
@@ -171,15 +181,38 @@ class PrefillService:
         if now >= self._next_idle_check:
             self._forget_silent(now)
         self.local.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
+        self._serve(timeout_s=0.002)
+
+    def _serve(self, *, timeout_s: float) -> bool:
+        """Answer one side-channel message, waiting at most ``timeout_s``; False when none came."""
+        self._hold_over_absence()
         try:
-            ident, msg = self.server.recv(timeout_s=0.002)
+            ident, msg = self.server.recv(timeout_s=timeout_s)
+        except SideChannelTimeout:
+            return False
         except GlmPdError as exc:
-            if "no message" not in str(exc):
-                logger.warning("glm-pd prefill: refused a side-channel message: %s", exc)
-            return
+            logger.warning("glm-pd prefill: refused a side-channel message: %s", exc)
+            return True
+        finally:
+            self._last_listen = time.monotonic()
         if ident in self._decodes:
             self._decodes[ident].last_seen = time.monotonic()
         self._dispatch(ident, msg)
+        return True
+
+    def _hold_over_absence(self) -> None:
+        """If this thread was away from the socket (a long digest, a GC pause, a busy host, a stopped process),
+        decode's claims and confirmations sat unanswered meanwhile: that time does not count against their
+        leases, their early claims or grants still waiting for the GPU."""
+        away = time.monotonic() - self._last_listen
+        if away < _AWAY_S:
+            return
+        self._leases.hold_over(away)
+        for key, (msg, deadline) in self._early_claims.items():
+            self._early_claims[key] = (msg, deadline + away)
+        for grant in self._unready.values():
+            grant.deadline += away
+        logger.warning("glm-pd prefill: the service thread was away %.2f s; leases held over by as much", away)
 
     def _dispatch(self, ident: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Query):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 import time
 
 import numpy as np
@@ -229,6 +230,40 @@ def test_a_successful_load_has_no_failure_code(small_spec) -> None:
     try:
         result = decode.load(prefill, "fine", 64)
         assert (result.ok, result.code, result.reason) == (True, "", "")
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_claim_queued_while_prefill_was_held_up_is_answered_before_expiry(small_spec, monkeypatch) -> None:
+    """Prefill's thread is held up (here: its transport poll blocks) while decode's claim waits in the socket
+    and the lease's time runs out. On waking, prefill answers what queued before it expires leases: the pages
+    are still held, so the load succeeds. Before: the lease expired first and the claim, sent in time, failed."""
+    prefill, decode = Prefill(small_spec, lease_s=1.0), Decode(small_spec)
+    try:
+        assert decode.load(prefill, "warm-up", 64).ok  # the handshake is done: only the claim is left to queue
+        held, stalled = threading.Event(), threading.Event()
+        real = prefill.local.transport.notifs
+
+        def notifs():
+            if held.is_set():
+                stalled.set()
+                while held.is_set():
+                    time.sleep(0.01)
+            return real()
+
+        monkeypatch.setattr(prefill.local.transport, "notifs", notifs)
+        prefill.service.grant("late", prefill.table[:1])
+        time.sleep(0.1)  # the grant is taken, the lease's clock runs
+        held.set()
+        assert stalled.wait(5.0)
+        job = LoadJob("late", prefill.remote, prefill.table[:1], np.arange(1), 64, 0)
+        decode.service.submit(job)
+        time.sleep(1.5)  # past the lease, with decode's claim queued
+        held.clear()
+        results = wait_for(decode.service.results, bool, 30.0)
+        assert results and results[0].ok, results[0].reason if results else "no result"
+        assert prefill.finished("late", 5.0).outcome == "released"
     finally:
         decode.close()
         prefill.close()
