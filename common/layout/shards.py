@@ -34,6 +34,14 @@ class Sharding(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 REPLICATED = Sharding()
 
 
+def describe(sharding: Sharding) -> str:
+    if sharding.layer_shards > 1:
+        return f"layers split over {sharding.layer_shards} ranks"
+    if sharding.token_shards > 1:
+        return f"tokens sharded over {sharding.token_shards} ranks, {sharding.interleave} per turn"
+    return "caches replicated on every rank"
+
+
 @dataclass(frozen=True)
 class TokenShard:
     """One rank's share of a request's tokens: shard ``index`` of ``count``, ``interleave`` tokens per turn."""

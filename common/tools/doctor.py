@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from importlib import metadata as pkg_metadata
 
 from glm_pd_common.errors import GlmPdError
+from glm_pd_common.layout.shards import describe
 from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, installed
 from glm_pd_common.transport.base import rdma_devices
 from glm_pd_common.transport.mooncake import gpu_memory_refusal, installed_wheel
@@ -235,7 +236,8 @@ def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
                 "peer fingerprint",
                 f"{reply.engine_id} at {address} matches "
                 f"(digest {reply.fingerprint.digest()}, page {reply.shape.page_tokens} tokens, "
-                f"TP {reply.shape.tp_size}, transport {reply.transport})",
+                f"TP {reply.shape.tp_size}, {describe(reply.shape.sharding)}, "
+                f"transport {reply.transport})",
             )
         ]
     return [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from glm_pd_common.layout.shards import Sharding, describe
+
 
 def human_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
@@ -44,14 +46,6 @@ def scattered_note(a: dict) -> str:
     )
 
 
-def sharding_text(sharding: dict) -> str:
-    if sharding["layer_shards"] > 1:
-        return f"layers split over {sharding['layer_shards']} ranks"
-    if sharding["token_shards"] > 1:
-        return f"tokens sharded over {sharding['token_shards']} ranks, {sharding['interleave']} per turn"
-    return "caches replicated on every rank"
-
-
 def print_account(a: dict) -> None:
     bpt, req, moved = a["bytes_per_token"], a["bytes_per_request"], a["bytes_moved_per_rank"]
     rows = [
@@ -76,8 +70,8 @@ def print_account(a: dict) -> None:
         ),
         ("runs, contiguous alloc", f"{a['runs']['contiguous']:,}{scattered_note(a)}"),
         ("runs, worst-case alloc", f"{a['runs']['worst_case']:,}"),
-        ("prefill ranks", f"TP {a['prefill_tp']}, {sharding_text(a['prefill_sharding'])}"),
-        ("decode ranks", f"TP {a['decode_tp']}, {sharding_text(a['decode_sharding'])}"),
+        ("prefill ranks", f"TP {a['prefill_tp']}, {describe(Sharding(**a['prefill_sharding']))}"),
+        ("decode ranks", f"TP {a['decode_tp']}, {describe(Sharding(**a['decode_sharding']))}"),
         ("decode rank r reads", f"prefill ranks {a['sources_of_decode_rank']}[r]"),
         ("bytes over the network", f"{human_bytes(a['bytes_over_network'])} (every decode rank's reads)"),
         ("link", f"{a['nics_per_rank']} x {a['link_gbps']:g} Gbit/s per decode rank"),
