@@ -149,10 +149,6 @@ class KvTransferParams(msgspec.Struct, kw_only=True, frozen=True):
                 f"tokens in blocks of {self.remote_page_tokens}{shards} (need {need})"
             )
 
-    @property
-    def sharding(self) -> Sharding:
-        return Sharding(token_shards=self.remote_token_shards, interleave=self.remote_interleave)
-
     def encode(self) -> dict[str, Any]:
         """The JSON object vLLM returns to the router (plain lists, ints, strings and bools)."""
         return msgspec.to_builtins(self)

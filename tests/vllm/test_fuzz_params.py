@@ -311,9 +311,10 @@ def test_a_sharding_the_block_ids_contradict_is_refused_naming_it(change, messag
 
 
 def test_dcp_params_decode_to_prefill_sharding() -> None:
+    """A DCP-8 prefill's 10,000 tokens in blocks of 64 are 20 block ids of 512 tokens each."""
     params = {**GOOD, "tp_size": 8, "remote_token_shards": 8, "remote_interleave": 16, "remote_num_tokens": 10000}
     out = KvTransferParams.decode({**params, "remote_block_ids": list(range(20))})
-    assert (out.sharding.token_shards, out.sharding.interleave, out.sharding.layer_shards) == (8, 16, 1)
+    assert (out.remote_token_shards, out.remote_interleave, len(out.remote_block_ids)) == (8, 16, 20)
 
 
 def test_prefill_does_not_build_params_decode_would_refuse() -> None:

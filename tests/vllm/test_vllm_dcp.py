@@ -32,10 +32,11 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from glm_pd_common.layout.shards import Sharding
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import context_parallel
-from glm_pd_vllm.scheduler import GlmPdScheduler
+from glm_pd_vllm.scheduler import GlmPdMetadata, GlmPdScheduler, LoadSpec
 from glm_pd_vllm.worker import GlmPdWorker
 from tests.support.ports import free_port_range
 from tests.support.services import wait_for
@@ -288,7 +289,7 @@ def test_a_decode_prefix_hit_is_aligned_to_the_dcp_block_span(layouts) -> None:
     d = DECODES[2]  # DCP 2, blocks of 64: a scheduler block spans 128 tokens
     sched = GlmPdScheduler(_rank_config(layouts[d], 0, "kv_consumer"), GlmPdVllmConfig(), "D")
     params = {
-        "glm_pd_protocol": 4,
+        "glm_pd_protocol": PROTOCOL_VERSION,
         "do_remote_prefill": True,
         "remote_engine_id": "P",
         "remote_request_id": "r",
@@ -306,3 +307,14 @@ def test_a_decode_prefix_hit_is_aligned_to_the_dcp_block_span(layouts) -> None:
     sched.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(0)],)), TOKENS - 64)
     (load,) = sched.build_connector_meta(SchedulerOutput.make_empty()).loads
     assert "local prefix hit 64 is not block-aligned (128)" in load.error
+
+
+def test_a_failed_dcp_load_reports_only_the_blocks_past_the_hit(layouts) -> None:
+    """vLLM recomputes (or fails) the blocks a connector reports; a DCP block id spans block_size x DCP tokens,
+    so a hit of 256 tokens in 128-token DCP blocks keeps the first two blocks out of the report."""
+    d = DECODES[2]  # DCP 2, blocks of 64
+    worker = GlmPdWorker(_rank_config(layouts[d], 0, "kv_consumer"), GlmPdVllmConfig(), layouts[d].spec, "D")
+    load = LoadSpec("r", "r", "", "", 0, 1, [], [5, 6, 7, 8], TOKENS, 256, error="invalid kv_transfer_params: test")
+    worker.start_load_kv(GlmPdMetadata(loads=[load]))
+    out = worker.transfer_results()
+    assert out.failed_recving == {"r"} and worker.block_ids_with_load_errors() == {7, 8}
