@@ -117,9 +117,11 @@ class Engine:
         self.num_blocks = job["pool_tokens"] // self.block_size
         self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
         spec = cache_spec(config, GlmPdVllmConfig.from_extra(config.kv_transfer_config.kv_connector_extra_config))
-        sharding = context_parallel(config)
+        self.sharding = context_parallel(config)
         self.caches = [
-            HostCaches(spec, page_tokens=self.block_size, num_pages=self.num_blocks, shard=token_shard(rank, sharding))
+            HostCaches(
+                spec, page_tokens=self.block_size, num_pages=self.num_blocks, shard=token_shard(rank, self.sharding)
+            )
             for rank in range(len(configs))
         ]
         layers = list(kv_caches(self.caches[0]))
