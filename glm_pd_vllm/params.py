@@ -20,6 +20,7 @@ from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, PageId
 from glm_pd_common.layout.cache_dtypes import row_format_for, vllm_indexer_scale_format
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import INT64_MAX, num_pages_for
+from glm_pd_common.layout.shards import Sharding
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_vllm.caches import MAIN_CACHE
@@ -46,6 +47,22 @@ def cache_spec(vllm_config: VllmConfig, config: GlmPdVllmConfig) -> CacheSpec:
     where = f"CUDA SM{capability[0]}{capability[1]}" if capability else platform
     origin = f"vLLM cache dtype {cache_dtype!r} under {backend or 'its default backend'} on {where}"
     return CacheSpec.create(geometry, row_format_for("vllm", cache_dtype, backend), scale_format, origin=origin)
+
+
+def context_parallel(vllm_config: VllmConfig) -> Sharding:
+    """How this engine's ranks shard every request's caches: vLLM's decode context parallelism deals tokens
+    out to ``dcp`` consecutive TP ranks (``dcp_rank = tp_rank % dcp``), ``cp_kv_cache_interleave_size`` at a
+    time. Prefill context parallelism is refused: its ranks are world ranks outside TP (``pcp_rank·TP +
+    tp_rank``), which glm-pd's rank pairing and side-channel ports (TP rank r on base + r) do not know."""
+    parallel = vllm_config.parallel_config
+    pcp = parallel.prefill_context_parallel_size
+    if pcp != 1:
+        raise ConfigError(
+            f"GlmPdConnector does not support prefill_context_parallel_size {pcp} yet: its ranks are world ranks "
+            "beyond the TP group (pcp_rank * TP + tp_rank), which glm-pd neither pairs nor gives side-channel "
+            "ports; use decode_context_parallel_size (or 1)"
+        )
+    return Sharding(token_shards=parallel.decode_context_parallel_size, interleave=parallel.cp_kv_cache_interleave_size)
 
 
 def attention_backend(vllm_config: VllmConfig) -> str | None:
@@ -105,17 +122,31 @@ class KvTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     tp_size: int
     remote_block_ids: Annotated[list[PageId], msgspec.Meta(max_length=MAX_BLOCKS)]
     remote_num_tokens: Count
-    remote_page_tokens: Count
+    remote_page_tokens: Count  # tokens of one block on one rank (vLLM's --block-size)
+    remote_token_shards: Count  # prefill's DCP size: one block id spans remote_page_tokens x this many tokens
+    remote_interleave: Count  # prefill's cp_kv_cache_interleave_size
 
     def __post_init__(self) -> None:
         _check_host(self.remote_host)
         if self.tp_size not in SUPPORTED_TP:
             raise ConfigError(f"kv_transfer_params['tp_size'] must be one of {SUPPORTED_TP}, got {self.tp_size}")
-        need = num_pages_for(self.remote_num_tokens, self.remote_page_tokens)
+        if self.tp_size % self.remote_token_shards:
+            raise ConfigError(
+                f"kv_transfer_params['remote_token_shards'] {self.remote_token_shards} must divide tp_size "
+                f"{self.tp_size}"
+            )
+        if self.remote_page_tokens % self.remote_interleave:
+            raise ConfigError(
+                f"kv_transfer_params['remote_interleave'] {self.remote_interleave} must divide remote_page_tokens "
+                f"{self.remote_page_tokens}"
+            )
+        span = self.remote_page_tokens * self.remote_token_shards
+        need = num_pages_for(self.remote_num_tokens, span)
         if len(self.remote_block_ids) != need:
+            shards = f" x {self.remote_token_shards} token shards" if self.remote_token_shards > 1 else ""
             raise ConfigError(
                 f"kv_transfer_params: {len(self.remote_block_ids)} remote_block_ids for {self.remote_num_tokens} "
-                f"tokens in blocks of {self.remote_page_tokens} (need {need})"
+                f"tokens in blocks of {self.remote_page_tokens}{shards} (need {need})"
             )
 
     def encode(self) -> dict[str, Any]:

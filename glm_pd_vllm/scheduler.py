@@ -18,7 +18,7 @@ from vllm.v1.request import RequestStatus
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.lease import renew_interval
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import KvTransferParams
+from glm_pd_vllm.params import KvTransferParams, context_parallel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,6 +53,8 @@ class LoadSpec:
     prefix_tokens: int
     read: bool = True
     error: str = ""
+    token_shards: int = 1  # prefill's sharding (kv_transfer_params): decode picks its sources by it
+    interleave: int = 1
     queued_at: float = field(default_factory=time.monotonic)  # one clock for scheduler and workers (one host)
 
 
@@ -64,6 +66,8 @@ class Renewal:
     host: str
     port: int
     tp_size: int
+    token_shards: int
+    interleave: int
     remote_request_ids: list[str]
 
 
@@ -78,8 +82,11 @@ class GlmPdScheduler:
     def __init__(self, vllm_config: VllmConfig, config: GlmPdVllmConfig, engine_id: str) -> None:
         self.config = config
         self.engine_id = engine_id
-        self.block_size = vllm_config.cache_config.block_size
+        self.block_size = vllm_config.cache_config.block_size  # tokens of one block on one rank
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.sharding = context_parallel(vllm_config)
+        # tokens one block id spans: vLLM's scheduler deals each block's tokens out over the DCP ranks
+        self.block_tokens = self.block_size * self.sharding.token_shards
         self.port = engine_port(vllm_config, config.side_channel_port)
         kv = vllm_config.kv_transfer_config
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
@@ -106,9 +113,16 @@ class GlmPdScheduler:
         if not self._waiting or now < self._next_renewal:
             return []
         self._next_renewal = now + self._renew_every
-        by_engine: dict[tuple[str, str, int, int], list[str]] = {}
+        by_engine: dict[tuple[str, str, int, int, int, int], list[str]] = {}
         for remote in self._waiting.values():
-            key = (remote.remote_engine_id, remote.remote_host, remote.remote_port, remote.tp_size)
+            key = (
+                remote.remote_engine_id,
+                remote.remote_host,
+                remote.remote_port,
+                remote.tp_size,
+                remote.remote_token_shards,
+                remote.remote_interleave,
+            )
             by_engine.setdefault(key, []).append(remote.remote_request_id)
         return [Renewal(*key, ids) for key, ids in by_engine.items()]
 
@@ -121,8 +135,8 @@ class GlmPdScheduler:
             remote = KvTransferParams.decode(params)
             if remote.remote_num_tokens != num_prompt:
                 raise ConfigError(f"prefill computed {remote.remote_num_tokens} tokens; this prompt has {num_prompt}")
-            if num_computed_tokens % self.block_size:
-                raise ConfigError(f"local prefix hit {num_computed_tokens} is not block-aligned ({self.block_size})")
+            if num_computed_tokens % self.block_tokens:
+                raise ConfigError(f"local prefix hit {num_computed_tokens} is not block-aligned ({self.block_tokens})")
             error = ""
         except ConfigError as exc:
             remote, error = None, f"invalid kv_transfer_params: {exc}"
@@ -165,6 +179,8 @@ class GlmPdScheduler:
                 num_tokens=remote.remote_num_tokens,
                 prefix_tokens=prefix,
                 read=read,
+                token_shards=remote.remote_token_shards,
+                interleave=remote.remote_interleave,
             )
         )
 
@@ -194,6 +210,8 @@ class GlmPdScheduler:
                 remote_block_ids=blocks,
                 remote_num_tokens=request.num_computed_tokens,
                 remote_page_tokens=self.block_size,
+                remote_token_shards=self.sharding.token_shards,
+                remote_interleave=self.sharding.interleave,
             )
         except ConfigError as exc:
             logger.error("GlmPdConnector: request %s: no kv_transfer_params for decode: %s", request.request_id, exc)

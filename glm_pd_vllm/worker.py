@@ -14,16 +14,19 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, RemotePrefill
 from glm_pd_common.handoff.peer import Endpoint
 from glm_pd_common.handoff.prefill_service import PrefillService
-from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.layout.fingerprint import PeerShape, check_shape
 from glm_pd_common.layout.memory import reader_for
 from glm_pd_common.layout.pages import block_pages
+from glm_pd_common.layout.shards import Sharding
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
 from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
+from glm_pd_vllm.params import context_parallel
 from glm_pd_vllm.scheduler import GlmPdMetadata, LoadSpec, engine_port
 from glm_pd_vllm.stats import GlmPdStats
 
@@ -63,8 +66,10 @@ class GlmPdWorker:
         self.config = config
         self.spec = spec
         self.engine_id = engine_id
-        self.block_size = vllm_config.cache_config.block_size
+        self.block_size = vllm_config.cache_config.block_size  # tokens of one block on one rank
         self.tp_rank, self.tp_size = tp_rank_and_size(vllm_config)
+        self.sharding = context_parallel(vllm_config)  # vLLM's DCP rank is tp_rank % dcp, as the core's shard
+        self.block_tokens = self.block_size * self.sharding.token_shards  # tokens one block id spans
         self.port = engine_port(vllm_config, config.side_channel_port)
         kv = vllm_config.kv_transfer_config
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
@@ -79,6 +84,22 @@ class GlmPdWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         regions = regions_from_kv_caches(kv_caches, self.spec, self.block_size)
         self.pages_per_block = pages_per_block(regions, self.block_size)  # vLLM's kernel blocks per block
+        shape = PeerShape(
+            regions[0].page_tokens,
+            self.tp_size,
+            self.tp_rank,
+            pages_per_block=self.pages_per_block,
+            sharding=self.sharding,
+        )
+        try:
+            check_shape(shape, side="this rank")
+        except ConfigError as exc:  # e.g. an interleave of 128 over --block-size 128 held as 64-token kernel blocks
+            raise ConfigError(
+                f"GlmPdConnector cannot address this rank's caches: {exc} (decode_context_parallel_size "
+                f"{self.sharding.token_shards}, cp_kv_cache_interleave_size {self.sharding.interleave}, --block-size "
+                f"{self.block_size} registered as kernel blocks of {regions[0].page_tokens} tokens: glm-pd reads "
+                "each kernel block as one page, so the interleave must divide it)"
+            ) from exc
         self.device = next(iter(kv_caches.values())).device
         name = f"{self.engine_id}-tp{self.tp_rank}"
         self.transport = create_transport(
@@ -96,7 +117,7 @@ class GlmPdWorker:
             self.spec,
             regions,
             self.transport,
-            PeerShape(regions[0].page_tokens, self.tp_size, self.tp_rank, pages_per_block=self.pages_per_block),
+            shape,
             reader_for((r.mem_kind for r in regions), torch),
         )
         if self.is_producer:
@@ -129,7 +150,8 @@ class GlmPdWorker:
                 self.prefill.grant(request_id, block_pages(blocks, self.pages_per_block), ready=ready)
         for renewal in meta.renewals:
             if self.decode is not None:
-                remote = RemotePrefill(renewal.engine_id, renewal.host, renewal.port, renewal.tp_size)
+                sharding = Sharding(token_shards=renewal.token_shards, interleave=renewal.interleave)
+                remote = RemotePrefill(renewal.engine_id, renewal.host, renewal.port, renewal.tp_size, sharding)
                 self.decode.renew(remote, renewal.remote_request_ids)
         for load in meta.loads:
             if load.error or self.decode is None:
@@ -140,7 +162,13 @@ class GlmPdWorker:
             self.decode.submit(
                 LoadJob(
                     request_id=load.request_id,
-                    remote=RemotePrefill(load.engine_id, load.host, load.port, load.tp_size),
+                    remote=RemotePrefill(
+                        load.engine_id,
+                        load.host,
+                        load.port,
+                        load.tp_size,
+                        Sharding(token_shards=load.token_shards, interleave=load.interleave),
+                    ),
                     remote_pages=np.asarray(load.remote_block_ids, dtype=np.int64),
                     local_pages=block_pages(load.local_block_ids, self.pages_per_block),
                     num_tokens=load.num_tokens,
@@ -202,7 +230,7 @@ class GlmPdWorker:
     def _written_blocks(self, load: LoadSpec) -> list[int]:
         """The blocks a load writes: past decode's own prefix hit, which running requests may share. A failed
         load reports only these, or vLLM would truncate (and by default fail) every request holding the hit."""
-        return load.local_block_ids[load.prefix_tokens // self.block_size :]
+        return load.local_block_ids[load.prefix_tokens // self.block_tokens :]
 
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

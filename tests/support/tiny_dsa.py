@@ -98,6 +98,41 @@ class PagedCache:
         return keys * scales
 
 
+@dataclass
+class ShardedCache:
+    """A decode-context-parallel engine's ranks as the one cache its attention reads (DCP gathers every rank's
+    tokens): token ``pos`` lives on rank ``(pos // I) % N`` at local slot ``(pos // (I·N))·I + pos % I``, as
+    vLLM's slot-mapping kernel places it (``v1/worker/block_table.py``; ``tests/vllm/test_vllm_dcp.py`` holds
+    the handoff to vLLM's own kernel)."""
+
+    ranks: list[PagedCache]
+    interleave: int
+
+    def _split(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, i = len(self.ranks), self.interleave
+        return (pos // i) % n, (pos // (i * n)) * i + pos % i
+
+    def write(self, layer: int, pos: int, latent: torch.Tensor, rope: torch.Tensor, key: torch.Tensor | None) -> None:
+        owner, local = (int(v) for v in self._split(torch.tensor(pos)))
+        self.ranks[owner].write(layer, local, latent, rope, key)
+
+    def _gather(self, pos: torch.Tensor, read: Callable[[PagedCache, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        owner, local = self._split(pos)
+        parts = {r: read(cache, local[owner == r]) for r, cache in enumerate(self.ranks) if bool((owner == r).any())}
+        first = next(iter(parts.values()))
+        out = torch.empty((pos.numel(), *first.shape[1:]), dtype=first.dtype)
+        for r, rows in parts.items():
+            out[owner == r] = rows
+        return out
+
+    def read_main(self, layer: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = self._gather(pos, lambda cache, p: torch.cat(cache.read_main(layer, p), dim=1))
+        return both[:, :LATENT], both[:, LATENT:]
+
+    def read_keys(self, layer: int, pos: torch.Tensor) -> torch.Tensor:
+        return self._gather(pos, lambda cache, p: cache.read_keys(layer, p))
+
+
 class TinyDsa:
     """``num_layers`` target layers (full ones own an indexer) plus one MTP layer, random fixed weights."""
 

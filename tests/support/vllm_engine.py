@@ -12,6 +12,9 @@ wait_for_save, transfer results, load errors, stats, clear), and the ranks' outp
 KV bytes are a function of (content seed, token position): the driver gives each request its content as
 segments ``[(end, seed), ...]``, so two requests sharing a prefix share its bytes, as real KV does. A decode
 request's first forward checks, on every rank, every block it got (prefix hit and load) against those segments.
+With decode context parallelism (job ``dcp``, ``interleave``) each rank's double writes and checks only its
+token shard, at glm-pd's shard slots (``HostCaches``; vLLM's own slot mapping is held to those in
+``tests/vllm/test_vllm_dcp.py``); the scheduler's block span is vLLM's (``resolve_kv_cache_block_sizes``).
 A subclass may replace what the double computes (``compute``), e.g. with a tiny model's forward.
 """
 
@@ -29,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
@@ -37,9 +40,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import cache_spec
+from glm_pd_vllm.params import cache_spec, context_parallel
 
 SAMPLED = 7  # the token the forward double samples
 POISON = 0xA5  # a freed, uncached block is overwritten at once, as a busy engine reuses it
@@ -71,6 +75,8 @@ def vllm_config(job: dict, rank: int) -> VllmConfig:
             rank=rank,
             data_parallel_size=job.get("dp_size", 1),
             data_parallel_rank=job.get("dp_rank", 0),
+            decode_context_parallel_size=job.get("dcp", 1),
+            cp_kv_cache_interleave_size=job.get("interleave", 1),
         ),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=kv,
@@ -111,7 +117,13 @@ class Engine:
         self.num_blocks = job["pool_tokens"] // self.block_size
         self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
         spec = cache_spec(config, GlmPdVllmConfig.from_extra(config.kv_transfer_config.kv_connector_extra_config))
-        self.caches = [HostCaches(spec, page_tokens=self.block_size, num_pages=self.num_blocks) for _ in configs]
+        self.sharding = context_parallel(config)
+        self.caches = [
+            HostCaches(
+                spec, page_tokens=self.block_size, num_pages=self.num_blocks, shard=token_shard(rank, self.sharding)
+            )
+            for rank in range(len(configs))
+        ]
         layers = list(kv_caches(self.caches[0]))
         group = KVCacheGroupSpec(
             layers,
@@ -126,11 +138,14 @@ class Engine:
         kv_cache_config = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=[group])
         config.cache_config.num_gpu_blocks = self.num_blocks  # as EngineCore sets it after profiling
         config.scheduler_config.max_num_seqs = job.get("max_num_seqs", config.scheduler_config.max_num_seqs)
+        # as EngineCore: one scheduler block spans block_size x DCP tokens
+        self.scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, config)
         self.scheduler = Scheduler(
             vllm_config=config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(config),
-            block_size=self.block_size,
+            block_size=self.scheduler_block,
+            hash_block_size=hash_block,
             log_stats=True,
         )
         self.connector = self.scheduler.connector
@@ -142,7 +157,7 @@ class Engine:
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], len(self.workers))
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self._hasher = get_request_block_hasher(self.block_size, hash_fn)
+        self._hasher = get_request_block_hasher(hash_block, hash_fn)
         self.faults: dict[str, str] = {}  # request id -> a decode-service test hook (handoff.loads.FAULTS)
         for worker in self.workers:
             service = worker._worker.decode

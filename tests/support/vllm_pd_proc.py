@@ -55,26 +55,38 @@ class TinyDsaEngine(Engine):
         self.model = TinyDsa(geometry.num_layers, list(geometry.full_indexer_layers), seed=job["e2e"]["seed"])
         self.drop_indexer_past: dict[str, int] = {}
         self._dropped: set[tuple[str, int]] = set()
+        self._sampled: dict[tuple[int, str], list[int]] = {}  # (first rank of a DCP group, request) -> its tokens
 
     def compute(self, rank: int, request: Request, table: np.ndarray, start: int, end: int) -> list[int]:
-        from tests.support.tiny_dsa import PagedCache
+        """Under DCP the first rank of each group of N runs the forward over the group's N shards (as DCP
+        attention gathers them); the others sample what it sampled."""
+        from tests.support.tiny_dsa import PagedCache, ShardedCache
 
-        caches, rid = self.caches[rank], request.request_id
+        n, rid = self.sharding.token_shards, request.request_id
+        if rank % n:
+            return self._sampled[rank - rank % n, rid]
+        group = [self.caches[r] for r in range(rank, rank + n)]
         past = self.drop_indexer_past.get(rid)
         if past is not None and (rid, rank) not in self._dropped:
             self._dropped.add((rid, rank))
-            for (kind, _), buf in caches.buffers.items():
-                if kind == "indexer":
-                    buf[table[past // self.block_size :]] = 0
-        views = {key: torch.from_numpy(buf) for key, buf in caches.buffers.items()}
-        rows = {"main": caches.spec.row.row_bytes, "indexer": caches.spec.indexer.row_bytes}
-        paged = {kind: {lay: v[:, : self.block_size * rows[kind]] for (k, lay), v in views.items() if k == kind}
-                 for kind in rows}  # fmt: skip
-        cache = PagedCache(paged["main"], paged["indexer"], table, self.block_size)
+            for caches in group:
+                for (kind, _), buf in caches.buffers.items():
+                    if kind == "indexer":
+                        buf[table[past // self.scheduler_block :]] = 0
+        rows = {"main": group[0].spec.row.row_bytes, "indexer": group[0].spec.indexer.row_bytes}
+        paged = []
+        for caches in group:
+            views = {key: torch.from_numpy(buf) for key, buf in caches.buffers.items()}
+            by_kind = {kind: {lay: v[:, : self.block_size * rows[kind]] for (k, lay), v in views.items() if k == kind}
+                       for kind in rows}  # fmt: skip
+            paged.append(PagedCache(by_kind["main"], by_kind["indexer"], table, self.block_size))
+        cache = paged[0] if n == 1 else ShardedCache(paged, self.sharding.interleave)
         logits = None
         for pos in range(start, end):
             logits = self.model.step(request.all_token_ids[pos], pos, cache)
-        return [int(torch.argmax(logits))] if logits is not None and end >= request.num_tokens else []
+        sampled = [int(torch.argmax(logits))] if logits is not None and end >= request.num_tokens else []
+        self._sampled[rank, rid] = sampled
+        return sampled
 
 
 def serve(engine: Engine, until: Callable[[], bool], seconds: float, each: Callable[[], None] | None = None) -> None:
@@ -161,7 +173,7 @@ def run_decode(engine: Engine, job: dict, prefix: int, params: list[dict]) -> No
     for rid in rids:
         track, live = engine.tracked[rid], rid in engine.scheduler.requests
         loaded = rid in engine.reported_recving and rid not in engine.reported_failed
-        hit_blocks = asked.get(rid, [0])[0] // engine.block_size
+        hit_blocks = asked.get(rid, [0])[0] // engine.scheduler_block
         out[rid] = {
             "outcome": "timeout" if live else "failed" if rid in engine.reported_failed else
                        "loaded" if loaded else "no_load",

@@ -40,6 +40,8 @@ KEYS = [
     "glm_pd_protocol",
     "remote_num_tokens",
     "remote_page_tokens",
+    "remote_token_shards",
+    "remote_interleave",
     "remote_block_ids",
     "remote_port",
     "tp_size",
@@ -59,6 +61,8 @@ GOOD = {  # a real prefill's params for a 100-token prompt in 64-token blocks
     "remote_block_ids": [0, 1],
     "remote_num_tokens": 100,
     "remote_page_tokens": 64,
+    "remote_token_shards": 1,
+    "remote_interleave": 1,
 }
 
 json_ints = st.one_of(
@@ -80,8 +84,11 @@ json_values = st.recursive(
 def valid_params(draw: st.DrawFn, num_tokens: int | None = None) -> dict[str, Any]:
     """What a prefill's request_finished returns (plus keys vLLM and the router add, which decode ignores)."""
     page_tokens = draw(st.sampled_from([16, 32, 64, 128]))
+    tp_size = draw(st.sampled_from(SUPPORTED_TP))
+    token_shards = draw(st.sampled_from([n for n in SUPPORTED_TP if tp_size % n == 0]))  # vLLM's DCP size
+    interleave = draw(st.sampled_from([i for i in (1, 2, 8, 16, 64, 128) if page_tokens % i == 0]))
     num_tokens = num_tokens or draw(st.integers(1, 2000))
-    need = num_pages_for(num_tokens, page_tokens)
+    need = num_pages_for(num_tokens, page_tokens * token_shards)  # one DCP block spans page_tokens x shards
     params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -90,10 +97,12 @@ def valid_params(draw: st.DrawFn, num_tokens: int | None = None) -> dict[str, An
         "remote_request_id": draw(st.text(min_size=1, max_size=20)),
         "remote_host": draw(st.sampled_from(["10.0.0.1", "127.0.0.1", "::1", "prefill-0"])),
         "remote_port": draw(st.integers(1, 65535)),
-        "tp_size": draw(st.sampled_from(SUPPORTED_TP)),
+        "tp_size": tp_size,
         "remote_block_ids": draw(st.lists(st.integers(0, INT64_MAX), min_size=need, max_size=need)),
         "remote_num_tokens": num_tokens,
         "remote_page_tokens": page_tokens,
+        "remote_token_shards": token_shards,
+        "remote_interleave": interleave,
     }
     for _ in range(draw(st.integers(0, 2))):  # e.g. vLLM's remote_prefill_cached_tokens, the router's own
         params[draw(st.text(max_size=10).filter(lambda k: k not in params))] = draw(json_values)
@@ -111,6 +120,10 @@ def bad_value(key: str) -> st.SearchStrategy[Any]:
         return st.one_of(not_int, st.integers(INT64_MIN, 0), st.integers(65536, UINT64_MAX), st.just(True))
     if key == "tp_size":
         return st.one_of(not_int, json_ints.filter(lambda v: v not in SUPPORTED_TP), st.just(True))
+    if key == "remote_token_shards":  # divides no supported TP size
+        return st.one_of(not_int, json_ints.filter(lambda v: v not in SUPPORTED_TP), st.just(True))
+    if key == "remote_interleave":  # divides no page of 16 to 128 tokens
+        return st.one_of(not_int, json_ints.filter(lambda v: v < 1 or 128 % v), st.just(True))
     if key == "remote_block_ids":
         return st.one_of(
             json_values.filter(lambda v: not isinstance(v, list)),
@@ -127,7 +140,9 @@ def bad_value(key: str) -> st.SearchStrategy[Any]:
 def check_decoded(params: dict[str, Any], out: KvTransferParams) -> None:
     """A decoded struct is exactly typed and says what the input said."""
     assert type(out) is KvTransferParams and out.glm_pd_protocol == PROTOCOL_VERSION
-    for key in ("remote_num_tokens", "remote_page_tokens", "remote_port", "tp_size"):
+    for key in ("remote_num_tokens", "remote_page_tokens", "remote_token_shards", "remote_interleave"):
+        assert type(getattr(out, key)) is int and getattr(out, key) == params[key]
+    for key in ("remote_port", "tp_size"):
         assert type(getattr(out, key)) is int and getattr(out, key) == params[key]
     for key in ("remote_engine_id", "remote_request_id", "remote_host"):
         assert type(getattr(out, key)) is str and getattr(out, key) == params[key]
@@ -135,7 +150,8 @@ def check_decoded(params: dict[str, Any], out: KvTransferParams) -> None:
     ids = out.remote_block_ids
     assert type(ids) is list and all(type(b) is int and 0 <= b <= INT64_MAX for b in ids)
     assert ids == params["remote_block_ids"]
-    assert len(ids) == -(-params["remote_num_tokens"] // params["remote_page_tokens"])
+    span = params["remote_page_tokens"] * params["remote_token_shards"]
+    assert len(ids) == -(-params["remote_num_tokens"] // span)
 
 
 @settings(max_examples=200, deadline=None)
@@ -208,7 +224,17 @@ def test_a_missing_or_non_integer_version_is_refused(version) -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    params=valid_params(), flip=st.sampled_from(["remote_num_tokens", "remote_page_tokens", "remote_port", "tp_size"])
+    params=valid_params(),
+    flip=st.sampled_from(
+        [
+            "remote_num_tokens",
+            "remote_page_tokens",
+            "remote_token_shards",
+            "remote_interleave",
+            "remote_port",
+            "tp_size",
+        ]
+    ),
 )
 def test_bools_are_not_ints(params, flip) -> None:
     """JSON true is not 1: a bool where an integer belongs is refused (Python would compare it equal)."""
@@ -263,6 +289,32 @@ def test_unsupported_tp_is_refused(tp) -> None:
     """A TP size the rank mapping cannot serve is refused here, not inside the decode service."""
     with pytest.raises(ConfigError, match=re.escape(f"'tp_size'] must be one of {SUPPORTED_TP}, got {tp}")):
         KvTransferParams.decode({**GOOD, "tp_size": tp})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tp_size": 4, "remote_token_shards": 8}, "'remote_token_shards'] 8 must divide tp_size 4"),
+        ({"remote_interleave": 128}, "'remote_interleave'] 128 must divide remote_page_tokens 64"),
+        ({"remote_num_tokens": 10000}, "2 remote_block_ids for 10000 tokens in blocks of 64 (need 157)"),
+        (
+            {"tp_size": 8, "remote_token_shards": 8, "remote_num_tokens": 10000, "remote_block_ids": [0] * 157},
+            "157 remote_block_ids for 10000 tokens in blocks of 64 x 8 token shards (need 20)",
+        ),
+    ],
+)
+def test_a_sharding_the_block_ids_contradict_is_refused_naming_it(change, message) -> None:
+    """Prefill's DCP size and interleave are checked against its TP size, its blocks and the block count: one
+    block id of a DCP-N prefill spans N blocks' worth of tokens."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        KvTransferParams.decode({**GOOD, **change})
+
+
+def test_dcp_params_decode_to_prefill_sharding() -> None:
+    """A DCP-8 prefill's 10,000 tokens in blocks of 64 are 20 block ids of 512 tokens each."""
+    params = {**GOOD, "tp_size": 8, "remote_token_shards": 8, "remote_interleave": 16, "remote_num_tokens": 10000}
+    out = KvTransferParams.decode({**params, "remote_block_ids": list(range(20))})
+    assert (out.remote_token_shards, out.remote_interleave, len(out.remote_block_ids)) == (8, 16, 20)
 
 
 def test_prefill_does_not_build_params_decode_would_refuse() -> None:

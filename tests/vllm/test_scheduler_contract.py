@@ -226,3 +226,28 @@ def test_a_request_queued_past_the_lease_is_kept_by_renewals(pair) -> None:
     c = decode.tracked["C"]
     assert c.finish == "length" and c.mismatched == [], c
     settled(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("prefill_job", "decode_job"),
+    [({}, {"tp": 2, "dcp": 2, "interleave": 4}), ({"tp": 2, "dcp": 2}, {"tp": 2})],
+    ids=["replicated-into-dcp2", "dcp2-into-replicated"],
+)
+def test_a_context_parallel_side_loads_and_decodes(pair, prefill_job, decode_job) -> None:
+    """DCP on either side inside vLLM's own scheduler: one block id spans block_size x DCP tokens (vLLM's
+    ``resolve_kv_cache_block_sizes``), prefill's params carry its sharding, each decode rank's blocks hold its
+    token shard of the prompt at the first forward, and the request decodes to its length."""
+    prefill, decode = pair(32 * 64, prefill_job, **decode_job)
+    for engine, job in ((prefill, prefill_job), (decode, decode_job)):
+        assert engine.scheduler_block == engine.block_size * job.get("dcp", 1)
+    prompt = list(range(1, PROMPT + 1))
+    params = prefilled(prefill, "r", prompt, [(PROMPT, 1)])
+    assert (params["remote_token_shards"], params["remote_interleave"]) == (prefill_job.get("dcp", 1), 1)
+    assert len(params["remote_block_ids"]) == -(-PROMPT // prefill.scheduler_block)
+    decode.add("r", prompt, [(PROMPT, 1)], params, max_tokens=STREAM)
+    both(prefill, decode, lambda: decode.tracked["r"].finish is not None)
+    track = decode.tracked["r"]
+    assert track.checked == set(range(decode_job["tp"])) and track.mismatched == [], track
+    assert track.finish == "length" and len(track.tokens) == STREAM
+    assert decode.reported_failed == set() and decode.reported_recving == ["r"]
+    settled(prefill, decode)

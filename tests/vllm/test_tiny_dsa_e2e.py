@@ -1,6 +1,7 @@
 """The handoff changes nothing the model computes: a tiny DSA model (tests/support/tiny_dsa.py) in a prefill and a
 decode engine (tests/support/vllm_pd_proc.py: vLLM's own Scheduler, KVCacheManager and block pool around
-GlmPdConnector), blocks of 16 asked at prefill and 64 at decode, with and without decode's own prefix-cache hit.
+GlmPdConnector), blocks of 16 asked at prefill and 64 at decode, with and without decode's own prefix-cache hit,
+and a decode with DCP 2.
 
 Test double: the engine's forward is the tiny model's (no GPU here); it writes real fp8_ds_mla rows and split
 indexer pages into the blocks vLLM assigned, in the memory the connector registers, and samples greedily. Decode
@@ -29,7 +30,7 @@ def reference(tiny_model: str) -> list[list[int]]:
     return ref
 
 
-def run(pd, prefix: int, drop_indexer: bool = False) -> tuple[dict, dict]:
+def run(pd, prefix: int, drop_indexer: bool = False, **decode_job) -> tuple[dict, dict]:
     rids = [f"e2e-{i}" for i in range(len(PROMPTS))]
     e2e = {"prompts": PROMPTS, "steps": STEPS, "seed": 3}
     prefill = pd("kv_producer", block_size=16, pool_tokens=160 * 16, requests=rids, e2e=e2e)
@@ -40,6 +41,7 @@ def run(pd, prefix: int, drop_indexer: bool = False) -> tuple[dict, dict]:
         requests=rids,
         prefix_tokens=prefix,
         e2e={**e2e, "drop_indexer": drop_indexer},
+        **decode_job,
     )
     relay = prefill.read(timeout=600)  # both engines compute the tiny model at once on few cores
     assert decode.read(timeout=600)["ready"]
@@ -63,6 +65,18 @@ def test_tokens_equal_a_monolithic_run(pd, reference, prefix: int) -> None:
     moved = sum(-(-len(p) // chunk) * chunk - hit for p in PROMPTS)  # the suffix, in chunks of the gcd
     assert stats["bytes_main"] == moved * 7 * 656  # 6 target layers + MTP
     assert stats["bytes_indexer"] == moved * 4 * 132  # full layers 0-2 + MTP
+
+
+def test_tokens_equal_a_monolithic_run_with_decode_dcp(pd, reference) -> None:
+    """Decode TP 2 with DCP 2 (interleave 8) behind a replicated prefill: each rank loads only its token shard,
+    and the model, reading both shards as DCP attention gathers them, samples the monolithic run's tokens."""
+    _, report = run(pd, 0, tp=2, dcp=2, interleave=8)
+    requests = [report["requests"][f"e2e-{i}"] for i in range(len(PROMPTS))]
+    assert all(r["loaded"] and r["checked_ranks"] == [0, 1] for r in requests), requests
+    assert [r["tokens"] for r in requests] == reference
+    per_rank = [(s["bytes_main"] // (7 * 656), s["bytes_indexer"] // (4 * 132)) for s in report["stats"]]
+    assert all(main == index > 0 for main, index in per_rank), per_rank  # both kinds, on both ranks
+    assert sum(main for main, _ in per_rank) >= sum(len(p) for p in PROMPTS)  # every prompt token arrived
 
 
 def test_without_the_indexer_decode_would_differ(pd, reference) -> None:

@@ -1,65 +1,45 @@
-"""Cache layouts made by vLLM's own planning and allocation code, registered through the adapter, moved
-byte-exactly between every compatible pair and refused between the others.
+"""Cache layouts made by vLLM's own planning and allocation code (``tests/support/vllm_caches.py``), registered
+through the adapter, moved byte-exactly between every compatible pair and refused between the others.
 
 Each layout is one (device, sparse attention backend, cache dtype, block size) GLM-5.x runs with under
 vLLM 0.33 (``platforms/cuda.py`` backend priorities; ``model_executor/models/config.py`` turns ``auto`` into
-``fp8_e4m3`` on SM10x). Its caches come from vLLM's functions on this CPU: the layers' specs
-(``MLAAttention.get_kv_cache_spec``, ``DeepseekV32IndexerCache``, ``customize_attention_spec``), the grouping
-and placement (``get_kv_cache_groups``, ``get_kv_cache_config_from_groups``, ``resolve_kv_cache_layout``), the
-kernel block size (``prepare_kernel_block_sizes``) and the tensors (``allocate_kv_cache``). The adapter then
-builds the spec (``params.cache_spec``) and the regions (``caches.regions_from_kv_caches``).
-
-Test doubles, both for the GPU alone: the device capability vLLM's functions and the adapter read
-(``current_platform.get_device_capability`` patched to SM90 or SM100; no GPU here), and the MLA attention
-layers (namespaces holding what ``MLAAttention.get_kv_cache_spec`` reads and the backend class vLLM would
-have chosen; the indexer caches are vLLM's own ``DeepseekV32IndexerCache``). Token bytes are placed where
-vLLM's kernels put them, written out here from vLLM's source, not from glm-pd: kernel block ``j`` of
-scheduler block ``b`` is ``b * r + j`` (``AttentionGroup`` block tables); a main row is ``view[k, 0, t]``; an
-indexer key sits at ``128 * t`` and its scale at ``128 * K + 4 * t`` of a K-token kernel block
-(``deepseek_v32/common/kernels.py``).
+``fp8_e4m3`` on SM10x). Token bytes are placed where vLLM's kernels put them, written out from vLLM's source,
+not from glm-pd: without context parallelism token ``t`` of a request with scheduler blocks ``table`` has slot
+``table[t // B] * B + t % B``, and kernel block ``j`` of scheduler block ``b`` is ``b * r + j``
+(``AttentionGroup`` block tables); ``vllm_caches.place`` puts a slot's bytes inside its kernel block.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 import zlib
-from dataclasses import dataclass, fields, replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.model_executor.layers.attention import mla_attention
-from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
-from vllm.platforms import current_platform
-from vllm.platforms.interface import DeviceCapability
-from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
-from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache, customize_attention_spec, prepare_kernel_block_sizes
+from vllm.config import ModelConfig
 
 from glm_pd_common.errors import LayoutMismatch
 from glm_pd_common.layout.fingerprint import require_match
 from glm_pd_common.layout.pages import block_pages, suffix_pages
 from glm_pd_common.layout.plan import build_plan
-from glm_pd_common.layout.regions import Region
 from glm_pd_common.transport.base import Span, TransportConfig, create_transport
-from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
-from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import cache_spec
+from tests.support.vllm_caches import (
+    BF16,
+    FP8_DS_MLA,
+    FULL_LAYERS,
+    INDEXER_ROW,
+    KERNEL_TOKENS,
+    NUM_LAYERS,
+    RAW_FP8,
+    SCALES,
+    Built,
+    Choice,
+    build,
+    on_device,
+    place,
+)
 from tests.support.vllm_harness import make_tiny_model
 
-try:  # vLLM 0.33 moved the planning functions out of kv_cache_utils
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-except ImportError:
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
-
-FP8_DS_MLA, RAW_FP8, BF16, INDEXER_ROW = 656, 576, 1152, 132  # FACTS.md §2
-KERNEL_TOKENS = 64  # the CUDA indexer's kernel block (v1/attention/backends/mla/indexer.py)
-SCALES = {(9, 0): "fp32", (10, 0): "ue8m0x4"}  # FACTS.md §2: SM90 fp32, SM100 four UE8M0 bytes
-NUM_LAYERS, FULL_LAYERS = 7, (0, 1, 2, 6)  # tests/support/tiny_glm.py: 6 layers + MTP 6; full 0-2 and the MTP
 NUM_BLOCKS, TOKENS, PREFIX, POISON = 12, 320, 128, 0xA5
 # (capability, backend, cache dtype as vLLM hands it to the backend, main row bytes vLLM allocates)
 CHOICES = [
@@ -76,43 +56,7 @@ CHOICES = [
 # where other layers' pages sit between a cache's blocks. vLLM refuses that one with 128-token blocks (its
 # indexer's 64-token kernel blocks cannot be cut out of packed blocks).
 BLOCKS = ((64, None), (128, None), (64, "BLNHC"))
-
-
-@dataclass(frozen=True)
-class Choice:
-    capability: tuple[int, int]
-    backend: str
-    cache_dtype: str
-    row_bytes: int
-    block_size: int
-    kv_cache_layout: str | None
-
-    @property
-    def name(self) -> str:
-        layout = f"-{self.kv_cache_layout}" if self.kv_cache_layout else ""
-        return f"SM{self.capability[0]}0-{self.backend}-{self.cache_dtype}-b{self.block_size}{layout}"
-
-    @property
-    def byte_class(self) -> tuple[int, str]:
-        """What decides compatibility, from the facts above: the main row and the indexer scale format."""
-        return self.row_bytes, SCALES[self.capability]
-
-
 ALL = [Choice(cap, be, dt, row, bs, layout) for cap, be, dt, row in CHOICES for bs, layout in BLOCKS]
-
-
-@dataclass
-class Built:
-    choice: Choice
-    caches: dict[str, torch.Tensor]
-    backing: np.ndarray  # vLLM's one backing allocation, as bytes
-    spec: object
-    regions: list[Region]
-    ratio: int  # kernel pages per scheduler block
-
-
-def _backing(t: torch.Tensor) -> np.ndarray:
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -121,92 +65,15 @@ def model_config(tmp_path_factory) -> ModelConfig:
     return ModelConfig(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16")
 
 
-def _on_device(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
-    monkeypatch.setattr(
-        type(current_platform),
-        "get_device_capability",
-        classmethod(lambda cls, device_id=0: DeviceCapability(*capability)),
-    )
-
-
-_UNIMPORTABLE: dict[str, str] = {}  # backend module -> why it cannot be imported
-
-
-def _build(choice: Choice, model_config: ModelConfig) -> Built:
-    if choice.backend not in AttentionBackendEnum.__members__:
-        pytest.skip(f"this vLLM has no {choice.backend} backend")
-    cache = CacheConfig(
-        block_size=choice.block_size, cache_dtype=choice.cache_dtype, num_gpu_blocks_override=NUM_BLOCKS
-    )
-    cfg = VllmConfig(model_config=copy.deepcopy(model_config), cache_config=cache, device_config=DeviceConfig("cpu"))
-    cfg.cache_config.kv_cache_layout = choice.kv_cache_layout  # a layout recorded here wins vLLM's resolution
-    if cfg.cache_config.block_size != choice.block_size:
-        pytest.skip(f"vLLM chose blocks of {cfg.cache_config.block_size} for {choice.block_size} on this machine")
-    module = AttentionBackendEnum[choice.backend].get_path().rsplit(".", 1)[0]
-    if module in _UNIMPORTABLE:
-        pytest.skip(f"{choice.backend}: {_UNIMPORTABLE[module]}")
-    try:
-        backend = AttentionBackendEnum[choice.backend].get_class()
-    except ImportError as exc:  # FlashAttention's sparse backends load CUDA extensions at import; a second
-        # import would find the half-initialized module, so the first failure stands for the whole module
-        _UNIMPORTABLE[module] = f"{module} cannot be imported on this machine: {exc}"
-        pytest.skip(f"{choice.backend}: {_UNIMPORTABLE[module]}")
-    hf = cfg.model_config.hf_config
-    with set_current_vllm_config(cfg):
-        dtype = mla_attention._canonicalize_sparse_mla_kv_cache_dtype(backend, cfg.cache_config.cache_dtype)
-        cfg.cache_config.cache_dtype = dtype  # as MLAAttention.__init__ records it
-        specs, main_names, index_names = {}, [], []
-        for layer in range(NUM_LAYERS):
-            name = f"model.layers.{layer}.self_attn.attn"
-            attn = SimpleNamespace(
-                attn_backend=backend,
-                kv_cache_dtype=dtype,
-                head_size=hf.kv_lora_rank + hf.qk_rope_head_dim,
-                sliding_window=None,
-                topk_buffer_width=hf.index_topk,
-                indexer=object() if layer in FULL_LAYERS else None,
-                non_causal_multi_token_decode=False,
-            )
-            cfg.compilation_config.static_forward_context[name] = attn
-            spec = customize_attention_spec(backend, mla_attention.MLAAttention.get_kv_cache_spec(attn, cfg))
-            if layer >= hf.num_hidden_layers and "is_draft" in {f.name for f in fields(spec)}:  # vLLM 0.33
-                spec = replace(spec, is_draft=True)  # the MTP layer, as the drafter's runner marks it
-            specs[name] = spec
-            main_names.append(name)
-            if layer in FULL_LAYERS:
-                k = DeepseekV32IndexerCache(
-                    INDEXER_ROW, torch.uint8, f"model.layers.{layer}.self_attn.indexer.k_cache", cfg.cache_config
-                )
-                specs[k.prefix] = customize_attention_spec(DeepseekV32IndexerBackend, k.get_kv_cache_spec(cfg))
-                index_names.append(k.prefix)
-        supported = [layout.name for layout in get_supported_kv_cache_layouts([backend, DeepseekV32IndexerBackend])]
-        layout = resolve_kv_cache_layout(cfg, [supported], specs.values())
-        kv_config = get_kv_cache_config_from_groups(cfg, get_kv_cache_groups(cfg, specs), 1 << 30)
-        groups = [
-            [
-                AttentionGroup(backend, main_names, specs[main_names[0]], 0),
-                AttentionGroup(DeepseekV32IndexerBackend, index_names, specs[index_names[0]], 0),
-            ]
-        ]
-        caches = allocate_kv_cache(
-            kv_config, torch.device("cpu"), layout, prepare_kernel_block_sizes(kv_config, groups)
-        )
-        cfg.device_config.device_type = "cuda"  # the adapter asks the (patched) platform for the capability
-        spec = cache_spec(cfg, GlmPdVllmConfig())
-    regions = regions_from_kv_caches(caches, spec, cfg.cache_config.block_size)
-    first = next(iter(caches.values()))
-    return Built(choice, caches, _backing(first), spec, regions, pages_per_block(regions, choice.block_size))
-
-
 @pytest.fixture(scope="module")
 def built(model_config) -> dict[str, tuple[Built, Built]]:
     """Each layout allocated twice (a prefill's caches and a decode's), or absent with the reason why."""
     out, skipped = {}, {}
     with pytest.MonkeyPatch.context() as mp:
         for choice in ALL:
-            _on_device(mp, choice.capability)
+            on_device(mp, choice.capability)
             try:
-                out[choice.name] = (_build(choice, model_config), _build(choice, model_config))
+                out[choice.name] = tuple(build(choice, model_config, num_blocks=NUM_BLOCKS, copies=2))
             except pytest.skip.Exception as exc:
                 skipped[choice.name] = str(exc)
     out.update(skipped)
@@ -226,20 +93,11 @@ def _content(seed: int, name: str, width: int) -> np.ndarray:
 
 def _write(b: Built, backing: np.ndarray, table: np.ndarray, start: int, end: int, seed: int) -> None:
     """Tokens ``[start, end)`` of a request with scheduler blocks ``table``, into ``backing`` (a copy may do)."""
-    base = b.backing.ctypes.data
     tokens = np.arange(start, end)
-    block, offset = table[tokens // b.choice.block_size], tokens % b.choice.block_size
-    for name, t in b.caches.items():
-        kernel_tokens, row = t.shape[-2], t.shape[-1] * t.element_size()
-        page = t.data_ptr() - base + (block * b.ratio + offset // kernel_tokens) * t.stride(0) * t.element_size()
-        in_page = offset % kernel_tokens
-        data = _content(seed, name, row)[tokens]
-        if name.endswith("indexer.k_cache"):
-            keys = page[:, None] + 128 * in_page[:, None] + np.arange(128)
-            scales = page[:, None] + 128 * kernel_tokens + 4 * in_page[:, None] + np.arange(4)
-            backing[keys], backing[scales] = data[:, :128], data[:, 128:]
-        else:
-            backing[page[:, None] + row * in_page[:, None] + np.arange(row)] = data
+    block_size = b.choice.block_size
+    slots = table[tokens // block_size] * block_size + tokens % block_size
+    rows = {name: _content(seed, name, t.shape[-1] * t.element_size())[tokens] for name, t in b.caches.items()}
+    place(b, backing, slots, rows)
 
 
 def _tables(p: Built, d: Built) -> tuple[np.ndarray, np.ndarray]:
