@@ -29,6 +29,8 @@ class Pair:
         *,
         prefill_tp: int = 1,
         decode_tp: int = 1,
+        prefill_cp: int = 1,
+        layer_split: bool = False,
         prefill_env: dict | None = None,
         decode_env: dict | None = None,
         decode_row_bytes: int = 656,
@@ -56,7 +58,7 @@ class Pair:
         base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
         configs = {
             "prefill": {**common, "role": "prefill", "tp": prefill_tp, "env": {**base_env, **(prefill_env or {})},
-                        "linger_s": linger_s},
+                        "linger_s": linger_s, "cp": prefill_cp, "layer_split": layer_split},
             "decode": {**common, "role": "decode", "tp": decode_tp, "env": {**base_env, **(decode_env or {})},
                        "row_bytes": decode_row_bytes},
         }  # fmt: skip
