@@ -36,6 +36,7 @@ class Pair:
         decode_row_bytes: int = 656,
         env: dict | None = None,
         timeout_s: float = 240,
+        room_timeout_s: float = 20.0,
         linger_s: float = 2.0,
         prefill_exits: bool = False,
         pool_pages: int = 48,
@@ -51,7 +52,7 @@ class Pair:
             "bootstrap_port": port,
             "page_size": 64,
             "requests": requests,
-            "timeout_s": 20.0,
+            "timeout_s": room_timeout_s,  # decode's wait for one room
             "pool_pages": pool_pages,
             "e2e": e2e,
         }

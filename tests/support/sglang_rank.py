@@ -137,6 +137,17 @@ class Rank:
             *self.pool.index_k_with_scale_buffer,
             *(self.draft.index_k_with_scale_buffer if self.draft else []),
         ]
+        # Test double for SGLang's owner broadcast under layer split: the tiny model's forward (every rank computes
+        # all of it here) reads and writes a layer this rank does not own in a private copy, never in the pool.
+        self.not_owned: dict[tuple[str, int], torch.Tensor] = {}
+        if split:
+            like_main = next(t for t in self.main if t.shape[0])
+            like_index = next((t for t in self.index if t.shape[0]), None)
+            for i, t in enumerate(self.main[:num_layers]):
+                if not t.shape[0]:
+                    self.not_owned["main", i] = torch.zeros_like(like_main)
+                    if i in full and like_index is not None:
+                        self.not_owned["index", i] = torch.zeros_like(like_index)
         gen = torch.Generator().manual_seed(cfg.get("seed", 0) * 1000 + rank * 10 + (role == "decode"))
         for t in [*self.main, *self.index]:  # what earlier requests left in the pool
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
@@ -189,9 +200,10 @@ class Rank:
 
     def paged(self, table: np.ndarray) -> PagedCache:
         """The tiny model's view of this rank's pool: page p of a layer is rows [p * page, (p + 1) * page)."""
-        main = {i: t.view(torch.uint8).view(-1, self.page * t.shape[-1]) for i, t in enumerate(self.main)}
-        index = {i: t for i, t in enumerate(self.index) if t.shape[0]}
-        return PagedCache(main, index, table, self.page)
+        main = {i: self.not_owned.get(("main", i), t) for i, t in enumerate(self.main)}
+        main = {i: t.view(torch.uint8).view(-1, self.page * t.shape[-1]) for i, t in main.items()}
+        index = {i: self.not_owned.get(("index", i), t) for i, t in enumerate(self.index)}
+        return PagedCache(main, {i: t for i, t in index.items() if t.shape[0]}, table, self.page)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every cache buffer this rank holds, by region (``main 3``, ``indexer 6``): layer ids index the lists."""
