@@ -44,7 +44,7 @@ from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.kvargs import rank_caches
 from glm_pd_sglang.lanes import Lanes
 from glm_pd_sglang.model import model_geometry, scale_format
-from glm_pd_sglang.parallel import PrefillRanks, check_routing, refuse_unsupported
+from glm_pd_sglang.parallel import AttentionRanks, check_routing, refuse_unsupported
 from glm_pd_sglang.rooms import Target, check_aux, check_suffix, int_pages
 from glm_pd_sglang.transfer import DecodePeer, PrefillTransfers
 
@@ -116,15 +116,15 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         """Describe this rank's caches from ``args`` (SGLang's KVArgs) and register them with a new transport."""
         device = str(getattr(self._server_args, "device", "cuda") or "cuda")
         prefill = self.disaggregation_mode == DisaggregationMode.PREFILL
-        # Decode runs without CP (SGLang asserts it); a prefill rank under layer split holds its shard only.
-        self.prefill_ranks = PrefillRanks(
+        # Decode runs without CP (SGLang asserts it); a prefill rank under layer split holds its layer shard only.
+        self.ranks = AttentionRanks(
             self.attn_tp_size, self.attn_cp_size, prefill and bool(get_parallel().enable_dsa_cache_layer_split)
         )
-        rank = self.prefill_ranks.rank(self.attn_cp_rank, self.attn_tp_rank)
-        sharding, g = self.prefill_ranks.sharding, self.geometry
+        rank = self.ranks.rank(self.attn_cp_rank, self.attn_tp_rank)
+        sharding, g = self.ranks.sharding, self.geometry
         held = None
-        if self.prefill_ranks.splits_layers:
-            held = owned_layers(g.num_layers, g.num_mtp_layers, sharding, rank, self.prefill_ranks.num_ranks)
+        if self.ranks.splits_layers:
+            held = owned_layers(g.num_layers, g.num_mtp_layers, sharding, rank, self.ranks.num_ranks)
         self.caches = rank_caches(
             args,
             g,
@@ -133,7 +133,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             device_id=int(getattr(args, "gpu_id", 0) or 0),
             held=held,
         )
-        mode = "prefill" if self.disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        mode = "prefill" if prefill else "decode"
         name = f"glmpd-{mode}-{self.local_ip}-{self.rank_port}"
         transport = create_transport(
             name,
@@ -146,7 +146,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             ),
         )
         transport.register([*self.caches.regions, *self.caches.aux])
-        shape = PeerShape(self.caches.page_tokens, self.prefill_ranks.num_ranks, rank, sharding=sharding)
+        shape = PeerShape(self.caches.page_tokens, self.ranks.num_ranks, rank, sharding=sharding)
         memory = reader_for((r.mem_kind for r in self.caches.regions), torch)
         self.endpoint = Endpoint(name, self.caches.spec, self.caches.regions, transport, shape, memory)
         self.transport = transport

@@ -25,8 +25,8 @@ from glm_pd_common.layout.tp import SideLayout, sources
 
 
 @dataclass(frozen=True)
-class PrefillRanks:
-    """One prefill instance's attention ranks (one DP group)."""
+class AttentionRanks:
+    """One instance's attention ranks (one DP group; decode has no CP, SGLang asserts it)."""
 
     attn_tp_size: int
     attn_cp_size: int = 1
@@ -84,7 +84,7 @@ def check_routing(info: Any, decode_rank: int, decode_tp: int, geometry: ModelGe
         raise ConfigError("the prefill runs --enable-kv-cache-sharding, which glm-pd does not support yet")
     if int(info.pp_size) != 1:
         raise ConfigError(f"glm-pd does not support pipeline parallelism on prefill (pp_size {info.pp_size})")
-    ranks = PrefillRanks(int(info.attn_tp_size), int(info.attn_cp_size), bool(info.enable_dsa_cache_layer_split))
+    ranks = AttentionRanks(int(info.attn_tp_size), int(info.attn_cp_size), bool(info.enable_dsa_cache_layer_split))
     decode = SideLayout.of(decode_tp, REPLICATED, geometry)
     ours = sorted(s.rank for s in sources(decode_rank, ranks.layout(geometry), decode))
     picked = [ranks.pairing_rank(cp, int(info.target_tp_rank)) for cp in info.target_cp_ranks]

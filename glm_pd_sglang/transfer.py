@@ -64,7 +64,7 @@ class PrefillTransfers:
     # Set by the manager / CommonKVManager.
     caches: Any
     geometry: Any
-    prefill_ranks: Any
+    ranks: Any
     attn_cp_rank: int
     attn_tp_rank: int
     glm_config: Any
@@ -211,8 +211,8 @@ class PrefillTransfers:
         pick this rank (SGLang's decode checked its side of the same pairing before it sent the room)."""
         shape = peer.view.shape
         decode = SideLayout.of(shape.tp_size, shape.sharding, self.geometry)
-        prefill = self.prefill_ranks.layout(self.geometry)
-        rank = self.prefill_ranks.pairing_rank(self.attn_cp_rank, self.attn_tp_rank)
+        prefill = self.ranks.layout(self.geometry)
+        rank = self.ranks.pairing_rank(self.attn_cp_rank, self.attn_tp_rank)
         source = None if rank is None else source_for(rank, shape.tp_rank, prefill, decode)
         if source is None:
             raise PlanError(

@@ -6,7 +6,7 @@ suffix pages byte for byte, each from the prefill rank glm-pd's pairing picks (t
 
 import pytest
 
-from glm_pd_sglang.parallel import PrefillRanks
+from glm_pd_sglang.parallel import AttentionRanks
 from tests.support.sglang_checks import FAILED, GEOMETRY, SUCCESS, assert_clean, assert_exact, expected_sources
 
 PAGE = 64
@@ -42,7 +42,7 @@ def test_every_decode_rank_gets_every_layer(
     assert_clean(prefill, decode)
     # Each layer reaches each decode rank once, from the rank the pairing picks: nothing twice, no layer a rank
     # lacks, nothing from SGLang's dummy CP ranks (replicated CP).
-    ranks = PrefillRanks(prefill_tp, prefill_cp, layer_split)
+    ranks = AttentionRanks(prefill_tp, prefill_cp, layer_split)
     pages = sum(suffix_pages(r) for r in REQUESTS)
     for kind, row, layers in (("main", 656, GEOMETRY.all_layers), ("indexer", 132, GEOMETRY.indexer_layers)):
         want = [0] * ranks.num_ranks

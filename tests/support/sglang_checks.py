@@ -4,7 +4,7 @@ test_layer_split)."""
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.shards import REPLICATED
 from glm_pd_common.layout.tp import SideLayout, sources
-from glm_pd_sglang.parallel import PrefillRanks
+from glm_pd_sglang.parallel import AttentionRanks
 from tests.support.tiny_glm import TINY_GLM
 
 SUCCESS, FAILED = 4, 0  # KVPoll.Success, KVPoll.Failed
@@ -19,7 +19,7 @@ def assert_clean(prefill: dict | None, decode: dict) -> None:
         assert all(n == report["pool_pages"] for n in report["free_pages"])
 
 
-def expected_sources(decode_rank: int, ranks: PrefillRanks, decode_tp: int) -> dict[str, int]:
+def expected_sources(decode_rank: int, ranks: AttentionRanks, decode_tp: int) -> dict[str, int]:
     """Region name -> the prefill rank (its index in the prefill report) whose bytes decode must hold there."""
     out = {}
     for source in sources(decode_rank, ranks.layout(GEOMETRY), SideLayout.of(decode_tp, REPLICATED, GEOMETRY)):
@@ -41,7 +41,7 @@ def assert_exact(
 ) -> None:
     """Every decode rank holds, in every region, the suffix bytes of the prefill rank glm-pd's pairing picks for it
     (the prefill report lists ranks in pairing order: CP rank 0's attention-TP ranks first)."""
-    ranks = PrefillRanks(prefill_tp, prefill_cp, layer_split)
+    ranks = AttentionRanks(prefill_tp, prefill_cp, layer_split)
     for p, d in zip(prefill["results"], decode["results"], strict=True):
         assert d["states"] == [SUCCESS] * decode_tp, d["reasons"]
         assert p["states"] == [SUCCESS] * ranks.num_ranks, p["reasons"]
