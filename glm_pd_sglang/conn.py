@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,10 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         sharding, g = self.ranks.sharding, self.geometry
         held = None
         if self.ranks.splits_layers:
+            # Only the last shard lists the draft's caches, so the others learn whether there is an MTP cache
+            # (it is part of the fingerprint) from the drafter's flag, not from KVArgs.
+            if not getattr(self._server_args, "speculative_algorithm", None):
+                g = replace(g, num_mtp_layers=0)
             held = owned_layers(g.num_layers, g.num_mtp_layers, sharding, rank, self.ranks.num_ranks)
         self.caches = rank_caches(
             args,

@@ -4,6 +4,8 @@ mapping on decode, real transports over loopback; every decode rank must hold ev
 suffix pages byte for byte, each from the prefill rank glm-pd's pairing picks (tests/support/sglang_checks.py).
 """
 
+from dataclasses import replace
+
 import pytest
 
 from glm_pd_sglang.parallel import AttentionRanks
@@ -52,6 +54,16 @@ def test_every_decode_rank_gets_every_layer(
         moved = [s.get(f"{kind}_bytes", 0) for s in prefill["stats"]]
         assert moved == want, kind
         assert sum(moved) == pages * len(layers) * PAGE * row * decode_tp, kind
+
+
+def test_layer_split_without_a_drafter(pair) -> None:
+    """No MTP cache on either side: the last shard lists no draft caches, and no shard's fingerprint names one."""
+    prefill, decode = pair.run(REQUESTS, prefill_cp=2, layer_split=True, decode_tp=2, env=VERIFY, draft=False)
+    no_mtp = replace(GEOMETRY, num_mtp_layers=0)
+    assert_exact(prefill, decode, 1, 2, prefill_cp=2, layer_split=True, geometry=no_mtp)
+    assert_clean(prefill, decode)
+    pages = sum(suffix_pages(r) for r in REQUESTS)
+    assert [s["main_bytes"] for s in prefill["stats"]] == [pages * 3 * PAGE * 656 * 2] * 2
 
 
 def test_a_shard_whose_indexer_never_lands_fails_the_room(pair) -> None:

@@ -19,13 +19,15 @@ def assert_clean(prefill: dict | None, decode: dict) -> None:
         assert all(n == report["pool_pages"] for n in report["free_pages"])
 
 
-def expected_sources(decode_rank: int, ranks: AttentionRanks, decode_tp: int) -> dict[str, int]:
+def expected_sources(
+    decode_rank: int, ranks: AttentionRanks, decode_tp: int, geometry: ModelGeometry = GEOMETRY
+) -> dict[str, int]:
     """Region name -> the prefill rank (its index in the prefill report) whose bytes decode must hold there."""
     out = {}
-    for source in sources(decode_rank, ranks.layout(GEOMETRY), SideLayout.of(decode_tp, REPLICATED, GEOMETRY)):
+    for source in sources(decode_rank, ranks.layout(geometry), SideLayout.of(decode_tp, REPLICATED, geometry)):
         for layer in source.layers:
             out[f"main {layer}"] = source.rank
-            if layer in GEOMETRY.indexer_layers:
+            if layer in geometry.indexer_layers:
                 out[f"indexer {layer}"] = source.rank
     return out
 
@@ -38,6 +40,7 @@ def assert_exact(
     *,
     prefill_cp: int = 1,
     layer_split: bool = False,
+    geometry: ModelGeometry = GEOMETRY,
 ) -> None:
     """Every decode rank holds, in every region, the suffix bytes of the prefill rank glm-pd's pairing picks for it
     (the prefill report lists ranks in pairing order: CP rank 0's attention-TP ranks first)."""
@@ -47,7 +50,7 @@ def assert_exact(
         assert p["states"] == [SUCCESS] * ranks.num_ranks, p["reasons"]
         for rank in range(decode_tp):
             landed = d["dst_digests"][rank]
-            want = expected_sources(rank, ranks, decode_tp)
+            want = expected_sources(rank, ranks, decode_tp, geometry)
             assert sorted(landed) == sorted(want), f"decode rank {rank} holds regions {sorted(landed)}"
             for name, src in want.items():
                 assert landed[name] == p["src_digests"][src][name], f"room {d['room']} decode rank {rank} {name}"

@@ -42,6 +42,7 @@ class Pair:
         pool_pages: int = 48,
         e2e: dict | None = None,
         more_decodes: tuple[list[dict], ...] = (),
+        draft: bool = True,
     ) -> tuple[dict | None, dict]:
         """Prefill serves ``requests``; each of ``more_decodes`` is another decode engine with its own rooms
         (their reports land in ``self.more``), and the first decode engine takes the remaining rooms."""
@@ -55,6 +56,7 @@ class Pair:
             "timeout_s": room_timeout_s,  # decode's wait for one room
             "pool_pages": pool_pages,
             "e2e": e2e,
+            "draft": draft,  # both sides run a drafter (the MTP layer's caches)
         }
         base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
         configs = {

@@ -66,6 +66,8 @@ server_args = prepare_server_args(
         "--disaggregation-bootstrap-port", str(cfg["bootstrap_port"]),
         "--page-size", str(PAGE), "--tp-size", str(cfg["tp"] * cfg.get("cp", 1)),
         "--kv-cache-dtype", cfg.get("kv_dtype", "fp8_e4m3"),
+        # under layer split glm-pd reads the drafter's flag (only the last shard's KVArgs list the MTP caches)
+        *(["--speculative-algorithm", "EAGLE"] if cfg.get("layer_split") and cfg.get("draft", True) else []),
     ]
 )  # fmt: skip
 get_context().set_server_args(server_args)

@@ -118,7 +118,7 @@ class Rank:
             )
         else:
             self.pool = DSATokenToKVPool(layer_num=num_layers, **skip, **common)
-        num_mtp = getattr(geom, "num_nextn_predict_layers", 0) or 0
+        num_mtp = (getattr(geom, "num_nextn_predict_layers", 0) or 0) if cfg.get("draft", True) else 0
         self.draft = DSATokenToKVPool(layer_num=num_mtp, start_layer=num_layers, **common) if num_mtp else None
         self.allocator = PagedTokenToKVPoolAllocator(
             self.pool_tokens, page, torch.float8_e4m3fn, "cpu", self.pool, False
