@@ -75,9 +75,10 @@ def test_a_shard_whose_indexer_never_lands_fails_the_room(pair) -> None:
     ]
     prefill, decode = pair.run(requests, prefill_cp=2, layer_split=True, decode_tp=2, env=VERIFY)
     first = decode["results"][0]
-    assert first["states"] == [FAILED, FAILED]
-    for reason in first["reasons"]:
-        assert "checksum mismatch in indexer[layer 0] region" in reason, reason
+    # The harness stops polling a room at its first Failed rank (SGLang's MIN all-reduce fails them all).
+    assert FAILED in first["states"]
+    for state, reason in zip(first["states"], first["reasons"], strict=True):
+        assert state != FAILED or "checksum mismatch in indexer[layer 0] region" in reason, reason
     assert prefill["results"][0]["states"] == [SUCCESS, SUCCESS]  # prefill believes it wrote everything
     assert [s["indexer_bytes"] for s in prefill["stats"]] == [
         suffix_pages(requests[1]) * 3 * PAGE * 132 * 2,  # rank 0: layers 0-2, second room only
