@@ -10,13 +10,16 @@ timeouts, abort notices and their drain ACKs. glm-pd adds what a GLM-5.x handoff
   for it completed (transfer.py); decode's page ids are bounds-checked before any byte moves;
 - the aux metadata row lands before Success is reported, and optional digests are checked before decode
   sees Success;
-- SGLang's memory release / resume drops and rebuilds the registrations, and peers learn the new ones.
+- SGLang's memory release / resume drops and rebuilds the registrations, and peers learn the new ones;
+- prefill context parallelism (parallel.py): under DSA CP layer split a rank describes and sends only its
+  layers, and decode checks that SGLang reads each layer from the rank glm-pd's pairing picks.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +28,8 @@ import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
@@ -33,12 +38,14 @@ from glm_pd_common.handoff.peer import Endpoint, accept_hello
 from glm_pd_common.layout import checksum
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.memory import reader_for
+from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.transport.base import TransportConfig, create_transport
 from glm_pd_sglang import wire
 from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.kvargs import rank_caches
 from glm_pd_sglang.lanes import Lanes
 from glm_pd_sglang.model import model_geometry, scale_format
+from glm_pd_sglang.parallel import AttentionRanks, check_routing, refuse_unsupported
 from glm_pd_sglang.rooms import Target, check_aux, check_suffix, int_pages
 from glm_pd_sglang.transfer import DecodePeer, PrefillTransfers
 
@@ -66,7 +73,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         if not is_mla_backend:
             raise ConfigError("the glm-pd backend moves MLA (DSA) caches; this model's KV pool is not MLA")
         self.glm_config = GlmPdSglangConfig.from_env()
+        refuse_unsupported(get_parallel(), envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get())
         self._server_args = server_args
+        self.geometry = model_geometry(server_args, self.glm_config.model_revision)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
@@ -74,7 +83,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         self._pending_failures: dict[int, str] = {}
         self._expected_pages: dict[int, int] = {}
         self._sent_pages: dict[int, list[np.ndarray]] = {}
-        self._digests: dict[int, wire.Digests] = {}
+        self._digests: dict[int, list[wire.Digests]] = {}
         self.refusals: dict[int, str] = {}
         self.stats: dict[str, float] = {}
         # Test hook: a room whose last indexer page gets one byte flipped after it lands, before
@@ -82,6 +91,8 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         self.corrupt_next_room: int | None = None
         # Test hook: room -> "error" | "hang", applied to that room's first posted batch (common/transport).
         self.test_transfer_faults: dict[int, str] = {}
+        # Test hook: rooms whose indexer this rank never writes (a shard's indexer lost on the way).
+        self.test_drop_indexer: set[int] = set()
         # Rooms prefill aborted whose decode ranks are told once no write of theirs is outstanding.
         self._prefill_aborts: dict[int, list[tuple[str, int]]] = {}
         self._registrations: dict[str, wire.Registration] = {}  # prefill: accepted decode registrations
@@ -105,14 +116,29 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
     def _open_transport(self, args: Any) -> None:
         """Describe this rank's caches from ``args`` (SGLang's KVArgs) and register them with a new transport."""
         device = str(getattr(self._server_args, "device", "cuda") or "cuda")
+        prefill = self.disaggregation_mode == DisaggregationMode.PREFILL
+        # Decode runs without CP (SGLang asserts it); a prefill rank under layer split holds its layer shard only.
+        self.ranks = AttentionRanks(
+            self.attn_tp_size, self.attn_cp_size, prefill and bool(get_parallel().enable_dsa_cache_layer_split)
+        )
+        rank = self.ranks.rank(self.attn_cp_rank, self.attn_tp_rank)
+        sharding, g = self.ranks.sharding, self.geometry
+        held = None
+        if self.ranks.splits_layers:
+            # Only the last shard lists the draft's caches, so the others learn whether there is an MTP cache
+            # (it is part of the fingerprint) from the drafter's flag, not from KVArgs.
+            if not getattr(self._server_args, "speculative_algorithm", None):
+                g = replace(g, num_mtp_layers=0)
+            held = owned_layers(g.num_layers, g.num_mtp_layers, sharding, rank, self.ranks.num_ranks)
         self.caches = rank_caches(
             args,
-            model_geometry(self._server_args, self.glm_config.model_revision),
+            g,
             scale_format=scale_format(self.glm_config, device),
             mem_kind="DRAM" if device == "cpu" else "VRAM",
             device_id=int(getattr(args, "gpu_id", 0) or 0),
+            held=held,
         )
-        mode = "prefill" if self.disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        mode = "prefill" if prefill else "decode"
         name = f"glmpd-{mode}-{self.local_ip}-{self.rank_port}"
         transport = create_transport(
             name,
@@ -125,7 +151,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             ),
         )
         transport.register([*self.caches.regions, *self.caches.aux])
-        shape = PeerShape(self.caches.page_tokens, self.attn_tp_size, self.attn_tp_rank)
+        shape = PeerShape(self.caches.page_tokens, self.ranks.num_ranks, rank, sharding=sharding)
         memory = reader_for((r.mem_kind for r in self.caches.regions), torch)
         self.endpoint = Endpoint(name, self.caches.spec, self.caches.regions, transport, shape, memory)
         self.transport = transport
@@ -256,10 +282,10 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             logger.error("glm-pd: %s", refused.reason)
             self.refusals[refused.prefill_rank] = refused.reason
             return
-        if tag == wire.TAG_DIGESTS:
+        if tag == wire.TAG_DIGESTS:  # one per prefill rank this rank reads (several under layer split)
             digests = wire.parse(msg, wire.Digests)
             if digests.room in self.request_status:
-                self._digests[digests.room] = digests
+                self._digests.setdefault(digests.room, []).append(digests)
             return
         parsed = self.parse_kv_status_message(msg)
         if parsed is not None:
@@ -273,18 +299,30 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             self.corrupt_next_room = None
             region = self.caches.regions[-1]
             checksum.flip_byte(region, int(pages[-1]) * region.page_stride, self.endpoint.memory)
-        if sent is None:
+        if not sent:
             return "glm-pd checksum verification is on, but prefill sent no digests (is it verifying too?)"
+        theirs: dict[str, int] = {}
+        for digests in sent:
+            for name, value in zip(digests.regions, digests.digests, strict=True):
+                if theirs.setdefault(name, value) != value:
+                    return f"prefill ranks sent different digests for the {name} region"
         mine = self._region_digests(pages)
-        if sent.regions != [name for name, _ in mine]:
-            return f"digest regions differ: prefill {len(sent.regions)}, decode {len(mine)}"
-        for (name, got), want in zip(mine, sent.digests, strict=True):
-            if got != want:
-                return f"checksum mismatch in {name} region: decode {got:#018x}, prefill {want:#018x}"
+        missing = [name for name, _ in mine if name not in theirs]
+        if missing or len(theirs) != len(mine):
+            return f"prefill sent no digest for regions {missing} ({len(theirs)} digested; decode has {len(mine)})"
+        for name, got in mine:
+            if got != theirs[name]:
+                return f"checksum mismatch in {name} region: decode {got:#018x}, prefill {theirs[name]:#018x}"
         return None
 
     def _region_digests(self, pages: np.ndarray) -> list[tuple[str, int]]:
         return [(r.name, checksum.region_pages_digest(r, pages, self.endpoint.memory)) for r in self.caches.regions]
+
+    def _resolve_rank_mapping(self, info: Any) -> None:
+        """SGLang's mapping, checked against glm-pd's pairing (a mismatch is refused as SGLang refuses a page size
+        mismatch here: the rank could never load a whole cache)."""
+        super()._resolve_rank_mapping(info)
+        check_routing(info, self.attn_tp_rank, self.attn_tp_size, self.geometry)
 
     # -- prefill: registration, rooms, aborts --------------------------------------------------------
     def _prefill_loop(self) -> None:

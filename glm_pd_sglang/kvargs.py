@@ -9,6 +9,9 @@ SGLang describes a DSA rank positionally:
   layer, which has no indexer), then the draft's. Items are pages too, indexed by the same page ids.
 Zero-length entries carry no cache; they are skipped here, identically on both sides, and the layers that
 remain must be exactly the geometry's full layers, or nothing may move.
+Under DSA CP layer split (``LayerSplitDSATokenToKVPool``) a prefill rank lists only the layers it holds
+(``held``): its contiguous share of the target layers from ``prefill_start_layer`` on, then the draft's on the
+last shard only; both lists stay positional over those layers.
 """
 
 from __future__ import annotations
@@ -62,25 +65,39 @@ def row_format_name(item_len: int, page_size: int, kv_cache_dtype: str, geometry
 
 
 def rank_caches(
-    kv_args: Any, geometry: ModelGeometry, *, scale_format: str, mem_kind: MemKind, device_id: int
+    kv_args: Any,
+    geometry: ModelGeometry,
+    *,
+    scale_format: str,
+    mem_kind: MemKind,
+    device_id: int,
+    held: tuple[int, ...] | None = None,
 ) -> RankCaches:
-    """Map ``kv_args`` onto regions; raise naming the entry, layer or length that does not fit."""
+    """Map ``kv_args`` onto regions; raise naming the entry, layer or length that does not fit. ``held``: the
+    cache layers of a layer-split rank (None: every layer)."""
     page = int(kv_args.page_size)
     ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
     num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
-    if int(getattr(kv_args, "prefill_start_layer", 0) or 0) != 0 or int(getattr(kv_args, "pp_rank", 0) or 0) != 0:
+    start = int(getattr(kv_args, "prefill_start_layer", 0) or 0)
+    if int(getattr(kv_args, "pp_rank", 0) or 0) != 0 or (held is None and start != 0):
         raise ConfigError("glm-pd does not support pipeline parallelism on the prefill side (pp_rank > 0)")
+    if held is not None and start != held[0]:
+        raise ConfigError(f"KVArgs starts at layer {start}; this layer-split rank holds layers {list(held)}")
     if not ptrs or not len(ptrs) == len(lens) == len(items):
         raise ConfigError(f"KVArgs lists {len(ptrs)} KV pointers, {len(lens)} lengths, {len(items)} item lengths")
     num_target = len(ptrs) - num_draft
-    if num_target != geometry.num_layers:
+    want_target = geometry.num_layers if held is None else sum(lay < geometry.num_layers for lay in held)
+    if num_target != want_target:
         raise ConfigError(
-            f"KVArgs holds {num_target} target main KV buffers; the model has {geometry.num_layers} layers"
+            f"KVArgs holds {num_target} target main KV buffers; this rank holds {want_target} of the model's "
+            f"{geometry.num_layers} layers"
         )
-    if num_draft not in (0, geometry.num_mtp_layers):
-        raise ConfigError(f"KVArgs holds {num_draft} draft KV buffers; the model has {geometry.num_mtp_layers} MTP")
-    if num_draft == 0 and geometry.num_mtp_layers:
+    want_draft = geometry.num_mtp_layers if held is None else len(held) - want_target
+    if num_draft not in (0, want_draft) or (held is not None and num_draft != want_draft):
+        raise ConfigError(f"KVArgs holds {num_draft} draft KV buffers; this rank holds {want_draft} MTP layers")
+    if num_draft == 0 and held is None and geometry.num_mtp_layers:
         geometry = replace(geometry, num_mtp_layers=0)
+    layers = geometry.all_layers if held is None else held
     if len(set(items)) != 1:
         raise ConfigError(f"main KV item lengths differ between layers: {sorted(set(items))}")
     row_name = row_format_name(items[0], page, str(kv_args.kv_cache_dtype_str), geometry)
@@ -110,8 +127,8 @@ def rank_caches(
             device_id=device_id,
         )
 
-    regions = [region("main", i, ptrs[i], lens[i], items[i]) for i in range(len(ptrs))]
-    dsa, indexer = _indexer_regions(kv_args, geometry, region)
+    regions = [region("main", lay, ptrs[i], lens[i], items[i]) for i, lay in enumerate(layers)]
+    dsa, indexer = _indexer_regions(kv_args, geometry, layers, region)
     regions += indexer
     aux = [
         Span(f"aux[{i}]", int(p), int(n), "DRAM", 0)
@@ -120,7 +137,9 @@ def rank_caches(
     return RankCaches(spec, plan_order(regions), aux, [int(x) for x in kv_args.aux_item_lens], page, dsa)
 
 
-def _indexer_regions(kv_args: Any, geometry: ModelGeometry, region: Any) -> tuple[int, list[Region]]:
+def _indexer_regions(
+    kv_args: Any, geometry: ModelGeometry, layers: tuple[int, ...], region: Any
+) -> tuple[int, list[Region]]:
     types = [_value(t) for t in getattr(kv_args, "state_types", None) or []]
     others = sorted(set(types) - {_DSA})
     if others:
@@ -133,19 +152,18 @@ def _indexer_regions(kv_args: Any, geometry: ModelGeometry, region: Any) -> tupl
     k = types.index(_DSA)
     ptrs, lens = list(kv_args.state_data_ptrs[k]), list(kv_args.state_data_lens[k])
     items = list(kv_args.state_item_lens[k])
-    want = geometry.num_layers + geometry.num_mtp_layers
-    if not len(ptrs) == len(lens) == len(items) == want:
+    if not len(ptrs) == len(lens) == len(items) == len(layers):
         raise ConfigError(
-            f"the DSA state lists {len(ptrs)} indexer buffers; the model needs {want} "
-            f"({geometry.num_layers} target + {geometry.num_mtp_layers} MTP). DSA CP layer split "
-            "(--enable-dsa-cache-layer-split) is not supported by glm-pd"
+            f"the DSA state lists {len(ptrs)} indexer buffers; this rank's {len(layers)} cache layers need one "
+            f"each (layers {layers[0]}..{layers[-1]})"
         )
-    owned = [i for i in range(want) if items[i] > 0]
-    full = [i for i in owned if i < geometry.num_layers]
-    if tuple(full) != geometry.full_indexer_layers or owned[len(full) :] != list(geometry.mtp_layers):
+    owned = [(i, lay) for i, lay in enumerate(layers) if items[i] > 0]
+    got = [lay for _, lay in owned]
+    want = [lay for lay in geometry.indexer_layers if lay in layers]
+    if got != want:
         raise ConfigError(
-            f"SGLang's indexer buffers sit on layers {owned}; the model config says full layers "
-            f"{list(geometry.full_indexer_layers)} plus MTP {list(geometry.mtp_layers)} "
-            f"(differ on {sorted(set(owned) ^ set(geometry.indexer_layers))})"
+            f"SGLang's indexer buffers sit on layers {got}; the model config says full layers "
+            f"{list(geometry.full_indexer_layers)} plus MTP {list(geometry.mtp_layers)}, {want} of them here "
+            f"(differ on {sorted(set(got) ^ set(want))})"
         )
-    return k, [region("indexer", i, ptrs[i], lens[i], items[i]) for i in owned]
+    return k, [region("indexer", lay, ptrs[i], lens[i], items[i]) for i, lay in owned]

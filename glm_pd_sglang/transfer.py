@@ -22,6 +22,7 @@ from sglang.srt.utils.network import NetworkAddress
 from glm_pd_common.errors import PlanError, ProtocolError, TransferFailed
 from glm_pd_common.handoff.peer import PeerView
 from glm_pd_common.layout.plan import TransferPlan, build_plan
+from glm_pd_common.layout.tp import SideLayout, source_for
 from glm_pd_common.transport.base import Span
 from glm_pd_sglang import wire
 from glm_pd_sglang.lanes import Lanes
@@ -62,6 +63,10 @@ class PrefillTransfers:
 
     # Set by the manager / CommonKVManager.
     caches: Any
+    geometry: Any
+    ranks: Any
+    attn_cp_rank: int
+    attn_tp_rank: int
     glm_config: Any
     transport: Any
     transfer_infos: dict[int, dict[str, Target]]
@@ -73,6 +78,7 @@ class PrefillTransfers:
     _sent_pages: dict[int, list[np.ndarray]]
     _prefill_aborts: dict[int, list[tuple[str, int]]]
     test_transfer_faults: dict[int, str]
+    test_drop_indexer: set[int]
     _lanes: Lanes[Chunk]
     _released: bool
 
@@ -174,6 +180,7 @@ class PrefillTransfers:
                 f"suffix mismatch: decode's prefix of {t.decode_prefix_len} tokens leaves {t.dst_pages.size} pages "
                 f"to fill, but prefill's suffix from the same prefix has {expected} pages"
             )
+        layers = self._layers_for(peer)
         page = self.caches.page_tokens
         start, stop = c.index_slice.start, c.index_slice.start + pages.size
         if stop > t.dst_pages.size:
@@ -181,14 +188,16 @@ class PrefillTransfers:
         whole = c.is_last and start == 0
         if pages.size:
             kinds = ("main", "indexer") if whole else ("main",)
-            self._post_plan(c.room, t, peer, kinds, pages, t.dst_pages[start:stop], t.decode_prefix_len + start * page)
+            self._post_plan(
+                c.room, t, peer, kinds, layers, pages, t.dst_pages[start:stop], t.decode_prefix_len + start * page
+            )
         if c.is_last:
             if state is None or not np.array_equal(state, sent):
                 raise PlanError(
                     "prefill's DSA state pages are not its main KV suffix pages; the indexer would be misplaced"
                 )
             if not whole and sent.size:
-                self._post_plan(c.room, t, peer, ("indexer",), sent, t.dst_pages, t.decode_prefix_len)
+                self._post_plan(c.room, t, peer, ("indexer",), layers, sent, t.dst_pages, t.decode_prefix_len)
             self._post_aux(t, peer, c.aux_index)
             if self.glm_config.verify_checksums:
                 names, digests = zip(*self._region_digests(sent), strict=True) if sent.size else ((), ())
@@ -197,20 +206,42 @@ class PrefillTransfers:
                     wire.frames(wire.TAG_DIGESTS, wire.Digests(c.room, list(names), list(digests))),
                 )
 
+    def _layers_for(self, peer: DecodePeer) -> tuple[int, ...]:
+        """The layers this rank writes to a decode rank SGLang paired it with: the core's pairing, which must
+        pick this rank (SGLang's decode checked its side of the same pairing before it sent the room)."""
+        shape = peer.view.shape
+        decode = SideLayout.of(shape.tp_size, shape.sharding, self.geometry)
+        prefill = self.ranks.layout(self.geometry)
+        rank = self.ranks.pairing_rank(self.attn_cp_rank, self.attn_tp_rank)
+        source = None if rank is None else source_for(rank, shape.tp_rank, prefill, decode)
+        if source is None:
+            raise PlanError(
+                f"SGLang paired decode rank {shape.tp_rank}/{shape.tp_size} with prefill CP rank "
+                f"{self.attn_cp_rank} TP rank {self.attn_tp_rank}, which glm-pd's pairing does not read from"
+            )
+        return source.layers
+
     def _post_plan(
         self,
         room: int,
         t: Target,
         peer: DecodePeer,
         kinds: tuple[str, ...],
+        layers: tuple[int, ...],
         src: np.ndarray,
         dst: np.ndarray,
         first_token: int,
     ) -> None:
+        if room in self.test_drop_indexer:
+            kinds = tuple(k for k in kinds if k != "indexer")
         mine = [r for r in self.caches.regions if r.kind in kinds]
         theirs = [r for r in peer.view.regions if r.kind in kinds]
+        if not any(r.layer_id in layers for r in mine + theirs):
+            return  # e.g. the indexer of a layer shard without full layers
         page = self.caches.page_tokens
-        plan = build_plan(mine, theirs, src, dst, num_tokens=first_token + src.size * page, prefix_tokens=first_token)
+        plan = build_plan(
+            mine, theirs, src, dst, num_tokens=first_token + src.size * page, prefix_tokens=first_token, layers=layers
+        )
         xfer = self.transport.post_plan(t.agent_name, plan, "WRITE")
         xfer.test_fault = self.test_transfer_faults.pop(room, "")
         self._wait(xfer)

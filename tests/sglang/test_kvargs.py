@@ -86,11 +86,31 @@ def test_unknown_row_and_mismatched_dtype_are_refused(geometry: ModelGeometry) -
         caches(args, geometry)
 
 
-def test_layer_split_and_extra_state_are_refused(geometry: ModelGeometry) -> None:
+def test_a_layer_split_rank_maps_only_its_layers(geometry: ModelGeometry) -> None:
+    """CP layer split, shard 1 of 2 (layers 3-5 and the MTP layer): SGLang lists those layers only."""
+    args, _keep = make_args(geometry)
+    for field in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens"):
+        setattr(args, field, getattr(args, field)[3:])
+    for field in ("state_data_ptrs", "state_data_lens", "state_item_lens"):
+        getattr(args, field)[0] = getattr(args, field)[0][3:]
+    args.prefill_start_layer = 3
+    held = (3, 4, 5, 6)
+    out = rank_caches(args, geometry, scale_format="fp32", mem_kind="DRAM", device_id=0, held=held)
+    assert [(r.kind, r.layer_id) for r in out.regions] == [("main", 3), ("main", 4), ("main", 5), ("main", 6),
+                                                           ("indexer", 6)]  # fmt: skip
+    assert out.spec.geometry == geometry  # the MTP layer stays in the fingerprint on every shard
+    with pytest.raises(ConfigError, match=r"holds layers \[4, 5, 6\]"):  # a list that is not the announced shard
+        rank_caches(args, geometry, scale_format="fp32", mem_kind="DRAM", device_id=0, held=(4, 5, 6))
+    args.prefill_start_layer = 4
+    with pytest.raises(ConfigError, match="this rank holds 2 of"):
+        rank_caches(args, geometry, scale_format="fp32", mem_kind="DRAM", device_id=0, held=(4, 5, 6))
+
+
+def test_short_state_lists_and_extra_state_are_refused(geometry: ModelGeometry) -> None:
     args, _keep = make_args(geometry)
     for field in ("state_data_ptrs", "state_data_lens", "state_item_lens"):
-        getattr(args, field)[0].pop(3)  # what CP layer split does: non-owned layers are omitted
-    with pytest.raises(ConfigError, match="layer split"):
+        getattr(args, field)[0].pop(3)  # a layer missing from the DSA state: positions no longer pair
+    with pytest.raises(ConfigError, match="need one each"):
         caches(args, geometry)
     args, _keep = make_args(geometry)
     args.state_types = [StateType.DSA, StateType.DSA_TAIL]

@@ -39,6 +39,22 @@ def test_tokens_equal_a_monolithic_run(pair, reference) -> None:
     assert prefill["stats"][0]["indexer_bytes"] == pages * 4 * 64 * 132
 
 
+def test_prefill_layer_split_cp2_decodes_the_same_tokens(pair, reference) -> None:
+    """Prefill CP 2 with DSA cache layer split: each CP rank's pool holds half the layers (the second also the MTP
+    layer), decode reads each half from its owner. Test double: every prefill rank computes the whole forward,
+    keeping the layers it does not own outside its pool (SGLang broadcasts them from the owner)."""
+    prefixes = [0, 64, 0, 128, 64, 0, 64, 128]
+    prefill, decode = pair.run(
+        requests(prefixes), e2e=E2E, pool_pages=64, prefill_cp=2, layer_split=True, room_timeout_s=90, timeout_s=600
+    )  # both prefill ranks compute every forward, on cores shared with decode: rooms take longer than elsewhere
+    assert [d["states"] for d in decode["results"]] == [[4]] * len(PROMPTS)
+    assert [d["tokens"][0] for d in decode["results"]] == reference
+    pages = sum(-(-len(p) // 64) - prefix // 64 for p, prefix in zip(PROMPTS, prefixes, strict=True))
+    # shard 0: layers 0-2 (all three full layers), shard 1: layers 3-5 (shared) and the MTP layer
+    assert [s["indexer_bytes"] for s in prefill["stats"]] == [pages * 3 * 64 * 132, pages * 64 * 132]
+    assert [s["main_bytes"] for s in prefill["stats"]] == [pages * 3 * 64 * 656, pages * 4 * 64 * 656]
+
+
 def test_without_the_indexer_decode_would_differ(pair, reference) -> None:
     _, decode = pair.run(requests([0] * len(PROMPTS), fault="drop_indexer"), e2e=E2E, pool_pages=64)
     tokens = [d["tokens"][0] for d in decode["results"]]

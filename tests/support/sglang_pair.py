@@ -29,16 +29,20 @@ class Pair:
         *,
         prefill_tp: int = 1,
         decode_tp: int = 1,
+        prefill_cp: int = 1,
+        layer_split: bool = False,
         prefill_env: dict | None = None,
         decode_env: dict | None = None,
         decode_row_bytes: int = 656,
         env: dict | None = None,
         timeout_s: float = 240,
+        room_timeout_s: float = 20.0,
         linger_s: float = 2.0,
         prefill_exits: bool = False,
         pool_pages: int = 48,
         e2e: dict | None = None,
         more_decodes: tuple[list[dict], ...] = (),
+        draft: bool = True,
     ) -> tuple[dict | None, dict]:
         """Prefill serves ``requests``; each of ``more_decodes`` is another decode engine with its own rooms
         (their reports land in ``self.more``), and the first decode engine takes the remaining rooms."""
@@ -49,14 +53,15 @@ class Pair:
             "bootstrap_port": port,
             "page_size": 64,
             "requests": requests,
-            "timeout_s": 20.0,
+            "timeout_s": room_timeout_s,  # decode's wait for one room
             "pool_pages": pool_pages,
             "e2e": e2e,
+            "draft": draft,  # both sides run a drafter (the MTP layer's caches)
         }
         base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
         configs = {
             "prefill": {**common, "role": "prefill", "tp": prefill_tp, "env": {**base_env, **(prefill_env or {})},
-                        "linger_s": linger_s},
+                        "linger_s": linger_s, "cp": prefill_cp, "layer_split": layer_split},
             "decode": {**common, "role": "decode", "tp": decode_tp, "env": {**base_env, **(decode_env or {})},
                        "row_bytes": decode_row_bytes},
         }  # fmt: skip

@@ -147,6 +147,8 @@ class PrefillLoop:
             for i, r in enumerate(self.ranks):
                 if spec.get("prefill_fault") in ("error", "hang"):
                     r.mgr.test_transfer_faults[spec["room"]] = spec["prefill_fault"]
+                if spec.get("prefill_fault") == "drop_indexer" and i in spec["fault_ranks"]:
+                    r.mgr.test_drop_indexer.add(spec["room"])
                 req = self._req(spec)
                 r.queue.add(req, num_kv_heads=1)
                 self.active[i].append(Running(spec, req, time.perf_counter()))
@@ -299,6 +301,7 @@ class PrefillLoop:
             self._release(r, run)
             self.active[i].remove(run)
             r.mgr.test_transfer_faults.pop(room, None)
+            r.mgr.test_drop_indexer.discard(room)
         self.results.append(out)
 
     def _release(self, r: Rank, run: Running) -> None:

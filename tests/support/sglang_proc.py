@@ -64,7 +64,10 @@ server_args = prepare_server_args(
         "--model-path", cfg["model"], "--device", "cpu", "--host", "127.0.0.1",
         "--disaggregation-mode", ROLE, "--disaggregation-transfer-backend", "glm-pd",
         "--disaggregation-bootstrap-port", str(cfg["bootstrap_port"]),
-        "--page-size", str(PAGE), "--tp-size", str(cfg["tp"]), "--kv-cache-dtype", cfg.get("kv_dtype", "fp8_e4m3"),
+        "--page-size", str(PAGE), "--tp-size", str(cfg["tp"] * cfg.get("cp", 1)),
+        "--kv-cache-dtype", cfg.get("kv_dtype", "fp8_e4m3"),
+        # under layer split glm-pd reads the drafter's flag (only the last shard's KVArgs list the MTP caches)
+        *(["--speculative-algorithm", "EAGLE"] if cfg.get("layer_split") and cfg.get("draft", True) else []),
     ]
 )  # fmt: skip
 get_context().set_server_args(server_args)
@@ -208,7 +211,7 @@ def main() -> None:
         from glm_pd_sglang.endpoints import GlmPdKVBootstrapServer
 
         server = GlmPdKVBootstrapServer(host="127.0.0.1", port=cfg["bootstrap_port"])
-    ranks = [Rank(i, cfg, server_args, MODEL_CONFIG) for i in range(cfg["tp"])]
+    ranks = [Rank(i, cfg, server_args, MODEL_CONFIG) for i in range(cfg["tp"] * cfg.get("cp", 1))]
     print("GLMPD_TEST ready", flush=True)
     if ROLE == "prefill":
         results = PrefillLoop(ranks, cfg, MODEL, cfg["bootstrap_port"]).run()

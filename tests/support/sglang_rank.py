@@ -1,6 +1,7 @@
 """One SGLang attention-TP rank built from SGLang's own classes on CPU (used by tests/support/sglang_proc.py).
 
-Real SGLang objects: ``DSATokenToKVPool`` for the target layers and another for the draft (MTP) layer,
+Real SGLang objects: ``DSATokenToKVPool`` for the target layers (``LayerSplitDSATokenToKVPool`` on a prefill
+CP rank under DSA cache layer split: only its layer shard has rows) and another for the draft (MTP) layer,
 ``PagedTokenToKVPoolAllocator``, ``ReqToTokenPool``, ``MetadataBuffers`` (with the DSA top-k seed buffer
 when the model config asks for it), ``ReqToMetadataIdxAllocator``, and the role's queue, whose
 ``_init_kv_manager`` builds ``KVArgs`` from those pools and constructs the glm-pd manager exactly as a
@@ -32,6 +33,7 @@ from sglang.srt.disaggregation.utils import (
 )
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.dsa_cache_layer_split import LayerSplitDSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.runtime_context import get_context, get_parallel
@@ -88,7 +90,10 @@ class Rank:
     """One rank's pools, allocators, metadata buffers and the role's SGLang queue (which owns the manager)."""
 
     def __init__(self, rank: int, cfg: dict[str, Any], server_args: Any, model_config: ModelConfig) -> None:
+        """Rank ``rank`` of ``tp`` x ``cp``, in SGLang's order: CP rank ``rank // tp``, attention-TP ``rank % tp``."""
         page, role = cfg["page_size"], cfg["role"]
+        attn_tp, cp = cfg["tp"], cfg.get("cp", 1)
+        split = bool(cfg.get("layer_split")) and cp > 1
         self.page = page
         self.pool_tokens = cfg.get("pool_pages", 48) * page
         geom = model_config.hf_config
@@ -98,10 +103,22 @@ class Rank:
         dsa = {"kv_lora_rank": geom.kv_lora_rank, "qk_rope_head_dim": geom.qk_rope_head_dim, "index_head_dim": 128}
         common = {"size": self.pool_tokens, "page_size": page, "dtype": torch.float8_e4m3fn, "device": "cpu"}
         common |= {"enable_memory_saver": False, "kv_cache_dim": row, **dsa}
-        self.pool = DSATokenToKVPool(
-            layer_num=num_layers, skip_topk_layers=[i not in full for i in range(num_layers)], **common
-        )
-        num_mtp = getattr(geom, "num_nextn_predict_layers", 0) or 0
+        # The rank's place in SGLang's parallel state, before any pool or manager reads it (one process holds
+        # every rank, each built with its own values; what they read later is the same for all of them).
+        get_parallel().override_permanently(
+            tp_size=attn_tp * cp, attn_tp_size=attn_tp, attn_cp_size=cp, enable_dsa_cache_layer_split=split,
+            attn_tp_rank=rank % attn_tp, attn_cp_rank=rank // attn_tp, attn_dp_rank=0, attn_dcp_rank=0, tp_rank=rank,
+            pp_rank=0, pp_size=1, pp_group=None, dp_rank=None, attn_tp_group=SimpleNamespace(cpu_group=None),
+            attn_cp_group=SimpleNamespace(world_size=cp, pynccl_comm=None, cpu_group=None),
+        )  # fmt: skip
+        skip = {"skip_topk_layers": [i not in full for i in range(num_layers)]}
+        if split:  # SGLang's layer-split pool: the shard's layers have rows, the others are 0-row placeholders
+            self.pool: DSATokenToKVPool = LayerSplitDSATokenToKVPool(
+                layer_num=num_layers, layer_shard_rank=rank // attn_tp, layer_shard_size=cp, **skip, **common
+            )
+        else:
+            self.pool = DSATokenToKVPool(layer_num=num_layers, **skip, **common)
+        num_mtp = (getattr(geom, "num_nextn_predict_layers", 0) or 0) if cfg.get("draft", True) else 0
         self.draft = DSATokenToKVPool(layer_num=num_mtp, start_layer=num_layers, **common) if num_mtp else None
         self.allocator = PagedTokenToKVPoolAllocator(
             self.pool_tokens, page, torch.float8_e4m3fn, "cpu", self.pool, False
@@ -120,17 +137,23 @@ class Rank:
             *self.pool.index_k_with_scale_buffer,
             *(self.draft.index_k_with_scale_buffer if self.draft else []),
         ]
+        # Test double for SGLang's owner broadcast under layer split: the tiny model's forward (every rank computes
+        # all of it here) reads and writes a layer this rank does not own in a private copy, never in the pool.
+        self.not_owned: dict[tuple[str, int], torch.Tensor] = {}
+        if split:
+            like_main = next(t for t in self.main if t.shape[0])
+            like_index = next((t for t in self.index if t.shape[0]), None)
+            for i, t in enumerate(self.main[:num_layers]):
+                if not t.shape[0]:
+                    self.not_owned["main", i] = torch.zeros_like(like_main)
+                    if i in full and like_index is not None:
+                        self.not_owned["index", i] = torch.zeros_like(like_index)
         gen = torch.Generator().manual_seed(cfg.get("seed", 0) * 1000 + rank * 10 + (role == "decode"))
         for t in [*self.main, *self.index]:  # what earlier requests left in the pool
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
         # Each rank on its own device, never 0 (as ranks 1..7 of a node are): the regions are registered under it,
         # so a descriptor naming another device fails. SGLang's launcher sets it the same way (``publish``).
         get_context().config_bag("device")._set("gpu_id", DEVICE_BASE[role] + rank)
-        get_parallel().override_permanently(
-            attn_tp_rank=rank, attn_cp_rank=0, attn_dp_rank=0, attn_dcp_rank=0, tp_rank=rank,
-            pp_rank=0, pp_size=1, pp_group=None, dp_rank=None,
-            attn_tp_group=SimpleNamespace(cpu_group=None),
-        )  # fmt: skip
         self.tree = RadixCache(
             CacheInitParams(
                 disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
@@ -166,42 +189,41 @@ class Rank:
         write there, unseen)."""
         self.queue.release_memory_occupation()
         self.stale = [*self.main, *self.index]
-        self.main = [t.clone() for t in self.main]
+        self.main = [t.clone() if t.numel() else t for t in self.main]
         self.index = [t.clone() if t.numel() else t for t in self.index]
+        moved = {old.data_ptr(): new.data_ptr() for old, new in zip(self.stale, [*self.main, *self.index], strict=True)}
         args = self.mgr.kv_args
-        args.kv_data_ptrs = [t.data_ptr() for t in self.main]
-        args.state_data_ptrs[args.state_types.index(StateType.DSA)] = [t.data_ptr() for t in self.index]
+        args.kv_data_ptrs = [moved[p] for p in args.kv_data_ptrs]
+        dsa = args.state_types.index(StateType.DSA)
+        args.state_data_ptrs[dsa] = [moved.get(p, p) for p in args.state_data_ptrs[dsa]]  # 0-row: nothing moved
         self.queue.resume_memory_occupation()
 
     def paged(self, table: np.ndarray) -> PagedCache:
         """The tiny model's view of this rank's pool: page p of a layer is rows [p * page, (p + 1) * page)."""
-        main = {i: t.view(torch.uint8).view(-1, self.page * t.shape[-1]) for i, t in enumerate(self.main)}
-        index = {i: t for i, t in enumerate(self.index) if t.shape[0]}
-        return PagedCache(main, index, table, self.page)
+        main = {i: self.not_owned.get(("main", i), t) for i, t in enumerate(self.main)}
+        main = {i: t.view(torch.uint8).view(-1, self.page * t.shape[-1]) for i, t in main.items()}
+        index = {i: self.not_owned.get(("index", i), t) for i, t in enumerate(self.index)}
+        return PagedCache(main, {i: t for i, t in index.items() if t.shape[0]}, table, self.page)
 
-    def page_digests(self, pages: np.ndarray) -> list[str]:
-        """Per page: one digest over its bytes in every main and indexer buffer (what must match across)."""
-        out = []
-        for p in pages.tolist():
-            h = xxhash.xxh3_64()
-            for t in self.main:
-                h.update(t[p * self.page : (p + 1) * self.page].view(torch.uint8).numpy().tobytes())
-            for t in self.index:
-                if t.shape[0]:
-                    h.update(t[p].numpy().tobytes())
-            out.append(h.hexdigest())
-        return out
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every cache buffer this rank holds, by region (``main 3``, ``indexer 6``): layer ids index the lists."""
+        out = {f"main {i}": t.view(torch.uint8).view(-1, self.page * t.shape[-1]) for i, t in enumerate(self.main)}
+        out |= {f"indexer {i}": t for i, t in enumerate(self.index)}
+        return {name: t for name, t in out.items() if t.shape[0]}
+
+    def page_digests(self, pages: np.ndarray) -> dict[str, list[str]]:
+        """Per region this rank holds, per page: a digest of the page's bytes (what must match across)."""
+        return {
+            name: [xxhash.xxh3_64_hexdigest(t[p].numpy().tobytes()) for p in pages.tolist()]
+            for name, t in self.buffers().items()
+        }
 
     def write_pages(self, pages: np.ndarray, seed: int) -> None:
-        """What a forward leaves in these pages: fresh bytes in every main and indexer buffer."""
-        gen = torch.Generator().manual_seed(seed)
+        """What a forward leaves in these pages: fresh bytes in every buffer, the same on every rank holding it."""
         idx = torch.as_tensor(pages, dtype=torch.int64)
-        for t in self.main:
-            rows = t.view(-1, self.page, *t.shape[1:]).view(torch.uint8)
-            rows[idx] = torch.randint(0, 256, (len(pages), *rows.shape[1:]), dtype=torch.uint8, generator=gen)
-        for t in self.index:
-            if t.shape[0]:
-                t[idx] = torch.randint(0, 256, (len(pages), t.shape[1]), dtype=torch.uint8, generator=gen)
+        for name, t in self.buffers().items():
+            gen = torch.Generator().manual_seed(seed * 1000 + int(name.split()[1]) * 2 + name.startswith("indexer"))
+            t[idx] = torch.randint(0, 256, (len(pages), t.shape[1]), dtype=torch.uint8, generator=gen)
 
     def free_pages(self) -> int:
         return self.allocator.available_size() // self.page
