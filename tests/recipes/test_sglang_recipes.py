@@ -35,6 +35,16 @@ def test_launch_commands_parse(run_recipe, glm53: str, script: str, mode: str) -
     assert GlmPdSglangConfig.from_env(settings).transport == "mooncake"
 
 
+def test_tp_16_spans_two_nodes(run_recipe, glm53: str) -> None:
+    """The H200 layout for 1M tokens: TP 16 over two nodes per instance, each node given its rank."""
+    env = {"MODEL": glm53, "TP": "16", "NNODES": "2", "NODE_RANK": "1", "DIST_INIT_ADDR": "10.0.0.1:5000"}
+    argv, _ = run_recipe("sglang/decode.sh", **env)
+    args = prepare_server_args(argv[2:])
+    assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (16, 2, 1, "10.0.0.1:5000")
+    with pytest.raises(AssertionError, match="NODE_RANK: the rank of this node"):
+        run_recipe("sglang/decode.sh", MODEL=glm53, TP="16", NNODES="2")
+
+
 def test_default_model_is_glm53(run_recipe) -> None:
     argv, _ = run_recipe("sglang/prefill.sh")
     assert argv[argv.index("--model-path") + 1] == "zai-org/GLM-5.3-FP8"
