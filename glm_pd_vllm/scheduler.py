@@ -7,6 +7,7 @@ become a load of the suffix only; the scheduler parks the request until the work
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,8 @@ class Renewal:
 
 @dataclass
 class GlmPdMetadata(KVConnectorMetadata):
-    grants: dict[str, list[int]] = field(default_factory=dict)  # prefill: request id -> blocks to lease
+    # prefill: lease id -> (vLLM's request id, blocks to lease)
+    grants: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     loads: list[LoadSpec] = field(default_factory=list)  # decode: loads to start
     renewals: list[Renewal] = field(default_factory=list)  # decode: leases to keep while requests wait
 
@@ -85,6 +87,7 @@ class GlmPdScheduler:
         self.block_size = vllm_config.cache_config.block_size  # tokens of one block on one rank
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.sharding = context_parallel(vllm_config)
+        self._lease_seq = itertools.count()
         # tokens one block id spans: vLLM's scheduler deals each block's tokens out over the DCP ranks
         self.block_tokens = self.block_size * self.sharding.token_shards
         self.port = engine_port(vllm_config, config.side_channel_port)
@@ -200,10 +203,13 @@ class GlmPdScheduler:
         blocks = list(block_ids[0]) if block_ids else []
         if not blocks:
             return False, None
+        # The lease is named per grant: an id the front end reuses (a router redoing prefill after a failed load)
+        # is a new lease, which a claim can wait for, never the ended one a late claim must be refused.
+        lease_id = f"{request.request_id}#{next(self._lease_seq)}"
         try:  # the checks decode will apply: params it would refuse are not published, the blocks are freed now
             out = KvTransferParams(
                 remote_engine_id=self.engine_id,
-                remote_request_id=request.request_id,
+                remote_request_id=lease_id,
                 remote_host=self.config.side_channel_host,
                 remote_port=self.port,
                 tp_size=self.tp_size,
@@ -216,7 +222,7 @@ class GlmPdScheduler:
         except ConfigError as exc:
             logger.error("GlmPdConnector: request %s: no kv_transfer_params for decode: %s", request.request_id, exc)
             return False, None
-        self._meta.grants[request.request_id] = blocks
+        self._meta.grants[lease_id] = (request.request_id, blocks)
         return True, out.encode()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GlmPdMetadata:

@@ -78,6 +78,7 @@ class GlmPdWorker:
         self.decode: DecodeService | None = None
         self._load_errors: set[int] = set()
         self._inflight: dict[str, list[int]] = {}  # request id -> local blocks being loaded
+        self._lease_requests: dict[str, str] = {}  # prefill: lease id -> vLLM's request id, until it is freed
         self._failed_now: list[tuple[LoadSpec, str]] = []
         self.stats = GlmPdStats()
 
@@ -145,9 +146,10 @@ class GlmPdWorker:
 
     def start_load_kv(self, meta: GlmPdMetadata) -> None:
         ready = self._ready_event() if meta.grants else None
-        for request_id, blocks in meta.grants.items():
+        for lease_id, (request_id, blocks) in meta.grants.items():
             if self.prefill is not None:
-                self.prefill.grant(request_id, block_pages(blocks, self.pages_per_block), ready=ready)
+                self._lease_requests[lease_id] = request_id
+                self.prefill.grant(lease_id, block_pages(blocks, self.pages_per_block), ready=ready)
         for renewal in meta.renewals:
             if self.decode is not None:
                 sharding = Sharding(token_shards=renewal.token_shards, interleave=renewal.interleave)
@@ -194,11 +196,16 @@ class GlmPdWorker:
         out = KVConnectorTransferResults()
         if self.prefill is not None:
             for done in self.prefill.finished():
-                out.finished_sending.add(done.request_id)
+                request_id = self._lease_requests.pop(done.request_id, done.request_id)
+                out.finished_sending.add(request_id)
                 self.stats.prefill_outcome(done.outcome)
                 if done.outcome != "released":
                     logger.warning(
-                        "GlmPdConnector: freed blocks of %s: %s %s", done.request_id, done.outcome, done.detail
+                        "GlmPdConnector: freed blocks of %s (lease %s): %s %s",
+                        request_id,
+                        done.request_id,
+                        done.outcome,
+                        done.detail,
                     )
         failures = list(self._failed_now)
         self._failed_now.clear()
