@@ -318,3 +318,21 @@ def test_a_failed_dcp_load_reports_only_the_blocks_past_the_hit(layouts) -> None
     worker.start_load_kv(GlmPdMetadata(loads=[load]))
     out = worker.transfer_results()
     assert out.failed_recving == {"r"} and worker.block_ids_with_load_errors() == {7, 8}
+
+
+def test_a_request_id_used_again_is_a_new_lease(layouts) -> None:
+    """A router that redoes prefill after a failed load reuses the request id. Each grant is its own lease:
+    a decode claim for the new one waits for it like any early claim, while a late claim naming the ended
+    one is refused at once (before, both named the id, and a claim that beat the new grant was refused)."""
+    p = PREFILLS[0]
+    sched = GlmPdScheduler(_rank_config(layouts[p], 0, "kv_producer"), GlmPdVllmConfig(), "P")
+    leases = []
+    for _ in range(2):
+        finished = _request({"do_remote_decode": True})
+        finished.status, finished.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, TOKENS
+        _, params = sched.request_finished(finished, (TABLES[p].tolist(),))
+        assert params is not None
+        leases.append(params["remote_request_id"])
+    grants = sched.build_connector_meta(SchedulerOutput.make_empty()).grants
+    assert leases[0] != leases[1] and sorted(grants) == sorted(leases)
+    assert {request_id for request_id, _ in grants.values()} == {"req-1"}
