@@ -118,6 +118,7 @@ class Traffic:
     sent: dict[int, int]  # prefill rank -> bytes
     runs: dict[str, int]  # the busiest decode rank's runs, per allocator
     sources: dict[int, list[int]]  # decode rank -> the prefill ranks it reads
+    first_rank: list[TransferPlan]  # decode rank 0's pieces, one per source (contiguous allocator)
 
 
 def traffic(inputs: AccountInputs) -> Traffic:
@@ -128,6 +129,7 @@ def traffic(inputs: AccountInputs) -> Traffic:
     sent = dict.fromkeys(range(inputs.prefill_tp), 0)
     runs = {"contiguous": 0, "worst_case": 0}
     planned: dict[tuple[int, Source], tuple[dict[str, int], int, int]] = {}
+    first_rank: list[TransferPlan] = []
     for d in range(inputs.decode_tp):
         shard = token_shard(d, inputs.decode_sharding).index
         got = {"main": 0, "indexer": 0}
@@ -138,6 +140,8 @@ def traffic(inputs: AccountInputs) -> Traffic:
                 contiguous = plan_for(inputs, "contiguous", d, source)
                 worst = plan_for(inputs, "worst_case", d, source)
                 planned[key] = (contiguous.bytes_by_kind(), contiguous.num_runs, worst.num_runs)
+                if d == 0:
+                    first_rank.append(contiguous)
             by_kind, n_contiguous, n_worst = planned[key]
             for kind, n in by_kind.items():
                 got[kind] += n
@@ -146,9 +150,8 @@ def traffic(inputs: AccountInputs) -> Traffic:
             rank_runs["worst_case"] += n_worst
         received[d] = got
         runs = {k: max(runs[k], rank_runs[k]) for k in runs}
-    return Traffic(
-        received, sent, runs, {d: [s.rank for s in sources(d, prefill, decode)] for d in range(inputs.decode_tp)}
-    )
+    reads = {d: [s.rank for s in sources(d, prefill, decode)] for d in range(inputs.decode_tp)}
+    return Traffic(received, sent, runs, reads, first_rank)
 
 
 def account(inputs: AccountInputs) -> dict[str, object]:
@@ -158,17 +161,17 @@ def account(inputs: AccountInputs) -> dict[str, object]:
     per_token_index = len(g.full_indexer_layers) * idx.row_bytes
     per_token_mtp = g.num_mtp_layers * (row.row_bytes + idx.row_bytes)
     n = inputs.num_tokens
-    contiguous = plan_for(inputs, "contiguous")  # decode rank 0's first piece: its per-layer shape
     moves = traffic(inputs)
+    entries = [e for plan in moves.first_rank for e in plan.entries]  # decode rank 0's regions, every source
     busiest = max(moves.received.values(), key=lambda k: k["main"] + k["indexer"])
     moved_total = busiest["main"] + busiest["indexer"]
     network = sum(k["main"] + k["indexer"] for k in moves.received.values())
     rank_bytes_per_s = inputs.link_gbps / 8 * 1e9 * inputs.nics_per_rank
     link_bytes = max(moved_total, max(moves.sent.values()))  # each rank has its own NICs; the busiest one bounds
-    layer_main = contiguous.entries[0].num_bytes
-    layer_index = next((e.num_bytes for e in contiguous.entries if e.src.kind == "indexer"), 0)
-    last_layer = contiguous.entries[-1].src.layer_id  # posted last: even a streamed handoff cannot hide it
-    tail = sum(e.num_bytes for e in contiguous.entries if e.src.layer_id == last_layer)
+    layer_main = next(e.num_bytes for e in entries if e.src.kind == "main")
+    layer_index = next((e.num_bytes for e in entries if e.src.kind == "indexer"), 0)
+    last_layer = max(e.src.layer_id for e in entries)  # posted last: even a streamed handoff cannot hide it
+    tail = sum(e.num_bytes for e in entries if e.src.layer_id == last_layer)
     return {
         "model_type": g.model_type,
         "bytes_per_token": {
@@ -188,10 +191,10 @@ def account(inputs: AccountInputs) -> dict[str, object]:
         "page_tokens": inputs.prefill_page_tokens,
         "decode_page_tokens": inputs.decode_page_tokens,
         "pages": num_pages_for(n, inputs.prefill_page_tokens),
-        "suffix_pages": int(contiguous.src_pages.size),
+        "suffix_pages": int(moves.first_rank[0].src_pages.size),
         "full_indexer_layers": list(g.full_indexer_layers),
         "mtp_layers": list(g.mtp_layers),
-        "regions_per_rank": len(contiguous.entries),
+        "regions_per_rank": len(entries),
         "runs": moves.runs,
         "prefill_tp": inputs.prefill_tp,
         "decode_tp": inputs.decode_tp,

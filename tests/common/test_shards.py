@@ -219,3 +219,18 @@ def test_a_tp_size_or_rank_outside_the_supported_shapes_is_refused(small_spec) -
         sources(4, prefill, decode)
     with pytest.raises(ConfigError, match=r"prefill_rank 2 is outside 0\.\.1"):
         expected_releases(2, prefill, decode)
+
+
+def test_a_layer_split_account_counts_every_region_decode_reads(small_spec) -> None:
+    """Decode rank 0 reads its layers from several prefill ranks: the account's regions, per-layer and tail
+    numbers span all of them (the MTP layer, posted last, comes from the last shard)."""
+    from glm_pd_common.layout.capacity import account
+
+    g = small_spec.geometry
+    inputs = AccountInputs(
+        g, small_spec.row, small_spec.indexer, 640, prefill_tp=2, decode_tp=2, prefill_sharding=Sharding(layer_shards=2)
+    )
+    a = account(inputs)
+    assert a["regions_per_rank"] == len(g.all_layers) + len(g.indexer_layers)
+    tail_bytes = (small_spec.row.row_bytes + small_spec.indexer.row_bytes) * 640  # MTP main + its indexer
+    assert a["streamed_tail_bound_seconds"] == pytest.approx(tail_bytes / (400e9 / 8))
