@@ -39,6 +39,7 @@ from tests.support.vllm_faults import (
     TOKEN_BYTES,
     FaultPair,
     Stream,
+    all_streaming,
     frozen_mid_load,
     proxy,
     wait_for,
@@ -86,7 +87,7 @@ def test_client_gone_while_waiting_for_blocks(engines: dict, pair: FaultPair) ->
     offset = decode.log_size()
     with proxy(pair.prefill, decode, engines["logs"]) as url:
         fillers = [Stream(url, request(model, p, FILLER_TOKENS, ignore_eos=True)) for p in FILLERS]
-        wait_for(lambda: [len(f.tokens) for f in fillers], all, 60, "both fillers stream")
+        all_streaming(fillers, decode, offset, 60, "both fillers stream")
         blocked = Stream(url, request(model, BLOCKED, ignore_eos=True))
         waiting = wait_for(
             decode.scheduler_state,
@@ -171,7 +172,7 @@ def test_queue_wait_past_the_lease_is_kept_alive(engines: dict, pair: FaultPair)
     offset = decode.log_size()
     bodies = [request(model, p, HOLDER_TOKENS, ignore_eos=True) for p in HOLDERS]
     holders = [Stream(decode.url, {**b, "kv_transfer_params": prefill_leg(engines["prefill"], b)}) for b in bodies]
-    wait_for(lambda: [len(h.tokens) for h in holders], all, 60, "both holders stream")
+    all_streaming(holders, decode, offset, 60, "both holders stream")
     late_body = request(model, LATE, ignore_eos=True)
     late = Stream(decode.url, {**late_body, "kv_transfer_params": prefill_leg(pair.prefill, late_body)})
     wait_for(decode.scheduler_state, lambda s: s.get("waiting_capacity") == 1, 10, "the late one waits")

@@ -64,6 +64,17 @@ def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], timeout_s: float, 
         time.sleep(0.1)
 
 
+def all_streaming(streams: list[Stream], decode: Server, offset: int, timeout_s: float, what: str) -> None:
+    """Wait until every stream has a token. On failure the message says how each stream stands (tokens, error)
+    and what decode's connector logged since ``offset``: a stream that never starts is a failed or stuck load."""
+    try:
+        wait_for(lambda: [len(s.tokens) for s in streams], all, timeout_s, what)
+    except AssertionError as exc:
+        states = [(len(s.tokens), s.finish_reason, s.error) for s in streams]
+        log = decode.connector_lines(offset)
+        raise AssertionError(f"{exc}\nstreams (tokens, finish, error): {states}\n{log}") from None
+
+
 class Stream:
     """One streamed ``/v1/completions`` read on a thread. ``close`` drops the connection, as a client that goes
     away does; the server sees the disconnect and aborts the request."""

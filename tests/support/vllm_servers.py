@@ -149,6 +149,12 @@ class Server:
         except (psutil.Error, urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
+    def connector_lines(self, offset: int, last: int = 40) -> str:
+        """The last ``last`` lines glm-pd logged after ``offset`` (loads, refusals, handshakes): failure messages."""
+        text = self.log.read_text(errors="replace")[offset:]
+        lines = [line for line in text.splitlines() if re.search(r"glm-pd|GlmPdConnector|ERROR", line)]
+        return "\n".join(lines[-last:])
+
     def engine_errors(self, offset: int) -> list[str]:
         """Log lines after ``offset`` that say the engine died or one of its assertions failed."""
         text = self.log.read_text(errors="replace")[offset:]
