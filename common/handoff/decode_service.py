@@ -12,6 +12,10 @@ is ``lease_expired``, apart from ``transport``, ``timeout`` and the rest.
 lane of their prefill engine (its side-channel clients are that lane's alone) at the lane's next turn, or,
 while a load waits for an answer, to the ranks already connected. A transfer batch that hangs holds its
 lane's renewals until it times out; those renewals are for the same prefill, whose data path is then sick.
+A streamed load (``LoadJob.stream_id``) subscribes to every prefill rank it releases, reads each whole page as
+its source announces it written (one batch per announcement), and when the request finished there claims the
+lease for the rest as a pull would: prefill's digests of that claim cover every byte that streamed. ``cancel``
+ends a streamed load that waits for prefill (decode's client went); prefill is told, and drops its lease.
 """
 
 from __future__ import annotations
@@ -20,24 +24,28 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
+import numpy as np
 import xxhash
 
 from glm_pd_common.errors import ConfigError, GlmPdError, LayoutMismatch, ProtocolError
 from glm_pd_common.handoff import protocol
+from glm_pd_common.handoff.feeds import Feed
 from glm_pd_common.handoff.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.handoff.protocol import MAX_RENEW_IDS, PROTOCOL_VERSION
 from glm_pd_common.handoff.queues import drain
-from glm_pd_common.handoff.sidechannel import SideChannelClient
+from glm_pd_common.handoff.sidechannel import SideChannelClient, recv_any
 from glm_pd_common.handoff.states import Handoff, HandoffState
 from glm_pd_common.layout.checksum import check_landed, flip_byte, moved_byte
 from glm_pd_common.layout.pages import block_pages, suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.layout.tp import SideLayout, Source, release_set, sources
-from glm_pd_common.transport.base import Transfer
+from glm_pd_common.transport.base import Transfer, Transport
 
 __all__ = ["LANES", "DecodeService", "LoadJob", "LoadResult", "RemotePrefill"]  # the jobs live in ``loads``
 
@@ -46,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
 _MAX_REMEMBERED_ENGINES = 4096
+_MAX_CANCELLED = 4096  # cancelled request ids kept for loads that have not looked yet
 
 
 @dataclass
@@ -53,6 +62,27 @@ class _Peer:
     client: SideChannelClient
     view: PeerView
     agent: str
+    engine: str  # the prefill engine's address: its lane is the only thread touching ``client``
+
+
+class _Batches(list[Transfer]):
+    """Batches a load posted: each is released when the ``with`` block ends, complete or not (a failed load
+    leaves none posted)."""
+
+    def __init__(self, transport: Transport) -> None:
+        super().__init__()
+        self.transport = transport
+
+    def __enter__(self) -> _Batches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for xfer in self:
+            self.transport.release(xfer)
+
+    def wait(self, timeout_s: float) -> None:
+        for xfer in self:
+            self.transport.wait(xfer, timeout_s)
 
 
 class _Wake:
@@ -77,12 +107,14 @@ class DecodeService:
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._lanes: list[queue.SimpleQueue[LoadJob | _Wake | None]] = [queue.SimpleQueue() for _ in range(lanes)]
-        self._lane_of: dict[str, int] = {}  # prefill engine id -> its lane, first come first served
+        self._lane_of: dict[str, int] = {}  # prefill engine (rank 0's address) -> its lane, first come first served
         # per lane: prefill -> lease ids to renew at the lane's next turn (under ``_lock``; merged, so a busy
         # lane's backlog never grows past one set per prefill)
         self._renewals: list[dict[RemotePrefill, set[str]]] = [{} for _ in range(lanes)]
         self._lock = threading.Lock()
         self._here = threading.local()  # ``lane``: which lane the calling service thread is
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # under ``_lock``
+        self._discovered: dict[tuple[str, int], RemotePrefill] = {}  # streamed params' host:port -> prefill
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=f"glm-pd-decode-{local.engine_id}-{i}", daemon=True)
             for i in range(lanes)
@@ -93,7 +125,7 @@ class DecodeService:
     # -- engine-facing, thread-safe ---------------------------------------------------------------
     def submit(self, job: LoadJob) -> None:
         with self._lock:
-            lane = self._lane_for(job.remote.engine_id)
+            lane = self._lane_for(job.remote.address)
         self._lanes[lane].put(job)
 
     def renew(self, remote: RemotePrefill, remote_request_ids: list[str]) -> None:
@@ -105,12 +137,20 @@ class DecodeService:
         if not remote_request_ids:
             return
         with self._lock:
-            lane = self._lane_for(remote.engine_id)
+            lane = self._lane_for(remote.address)
             pending = self._renewals[lane]
             wake = not pending
             pending.setdefault(remote, set()).update(remote_request_ids)
         if wake:
             self._lanes[lane].put(_Wake())
+
+    def cancel(self, request_id: str) -> None:
+        """Decode no longer wants this streamed load (its client went): it ends at its next message, failed as
+        ``aborted``, and prefill is told. Blocks stay the engine's until the load's result is collected."""
+        with self._lock:
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > _MAX_CANCELLED:
+                self._cancelled.popitem(last=False)
 
     def results(self) -> list[LoadResult]:
         return drain(self._results)
@@ -118,7 +158,7 @@ class DecodeService:
     def leftovers(self) -> dict[str, int]:
         """What this service holds now. Once every load has ended and its result was collected: ``queued``
         and ``results`` are 0, ``prefill_peers`` is at most the prefill ranks still in use, and
-        ``transport_peers`` equals ``prefill_peers``. ``lanes_assigned`` (engine id -> lane) is bounded by
+        ``transport_peers`` equals ``prefill_peers``. ``lanes_assigned`` (engine address -> lane) is bounded by
         ``_MAX_REMEMBERED_ENGINES``: a lane must stay its engine's while loads for it may be queued."""
         return {
             "queued": sum(lane.qsize() for lane in self._lanes),
@@ -167,16 +207,21 @@ class DecodeService:
         wait): only to prefills whose ranks are all connected; the others wait for the lane's next turn."""
         with self._lock:
             pending, self._renewals[lane] = self._renewals[lane], {}
-        for remote, ids in pending.items():
+        for placeholder, ids in pending.items():
             batch = sorted(ids)
+            if not placeholder.tp_size and not connect:  # learning a streamed prefill's shape takes a round trip
+                self._defer(lane, placeholder, ids)
+                continue
             try:
+                remote = self._known(placeholder)
                 ranks = release_set(self.local.shape.tp_rank, *self._layouts(remote))
-            except ConfigError as exc:
-                logger.warning("glm-pd decode: cannot renew %d lease(s) on %s: %s", len(batch), remote.engine_id, exc)
+            except GlmPdError as exc:
+                logger.warning(
+                    "glm-pd decode: cannot renew %d lease(s) on %s: %s", len(batch), placeholder.engine_id, exc
+                )
                 continue
             if not connect and any((remote.engine_id, rank) not in self._peers for rank in ranks):
-                with self._lock:
-                    self._renewals[lane].setdefault(remote, set()).update(ids)
+                self._defer(lane, remote, ids)
                 continue
             for rank in ranks:
                 try:
@@ -193,6 +238,11 @@ class DecodeService:
                         exc,
                     )
 
+    def _defer(self, lane: int, remote: RemotePrefill, ids: set[str]) -> None:
+        """Renewals for the lane's next turn."""
+        with self._lock:
+            self._renewals[lane].setdefault(remote, set()).update(ids)
+
     def _load(self, job: LoadJob) -> LoadResult:
         handoff = Handoff(job.request_id)
         result = LoadResult(job.request_id, ok=False)
@@ -200,16 +250,21 @@ class DecodeService:
         group: tuple[int, ...] = ()  # stays empty if the params name a shape we cannot pair with: no one to tell
         mark = Phases(result.phases, job.submitted_at)
         mark("queued")
+        lease_id = job.lease_id
         try:
+            remote = self._known(remote)
             prefill, decode = self._layouts(remote)
             me = self.local.shape.tp_rank
             group = release_set(me, prefill, decode)
             readers = tuple(s.rank for s in sources(me, prefill, decode))  # their answers decide
-            if job.read:
+            if job.read and job.stream_id:
+                lease_id = self._stream(job, remote, group, result, handoff, mark)
+            elif job.read:
                 pieces = []
                 for source in sources(me, prefill, decode):
                     peer = self._peer(remote, source.rank)
-                    pieces.append((peer, self._plan(job, peer.view, source, result)))
+                    table = block_pages(job.remote_pages, peer.view.shape.pages_per_block, side="prefill")
+                    pieces.append((peer, self._plan(job, peer.view, source, result, table)))
                 mark("handshake")
                 handoff.advance(HandoffState.WAITING_FOR_INPUT)
                 stall(job, "stall_before_claim")
@@ -224,7 +279,10 @@ class DecodeService:
                         self._verify(peer, plan, claim.digests, job.lease_id)
                 stall(job, "stall_before_release")
                 mark("pull")
-            self._release(remote, group, readers, job.lease_id, job.test_fault)
+            if job.stream_id and not job.read:  # nothing to read: prefill drops the transfer and its lease
+                self._abort(remote, group, job.lease_id, "decode needs none of its bytes", connect=True)
+            else:
+                self._release(remote, group, readers, lease_id, job.test_fault)
             mark("release")
             if job.read:
                 handoff.advance(HandoffState.SUCCESS)
@@ -235,8 +293,11 @@ class DecodeService:
                 logger.exception("glm-pd decode: load of %s crashed", job.request_id)
             handoff.fail(reason)
             result.reason, result.code = reason, failure_code(exc)
-            self._abort(remote, group, job.lease_id, reason)
+            self._abort(remote, group, job.lease_id, reason)  # a streamed load: its transfer id
             self._forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
+        finally:
+            with self._lock:
+                self._cancelled.pop(job.request_id, None)
         result.states = handoff.states
         logger.info(
             "glm-pd decode: %s %s: %s; %s",
@@ -252,36 +313,152 @@ class DecodeService:
         g, shape = self.local.spec.geometry, self.local.shape
         return SideLayout.of(remote.tp_size, remote.sharding, g), SideLayout.of(shape.tp_size, shape.sharding, g)
 
-    def _plan(self, job: LoadJob, view: PeerView, source: Source, result: LoadResult) -> TransferPlan:
-        """What this rank reads from one prefill rank: its token shard of the layers ``source`` serves."""
-        if view.shape.sharding != job.remote.sharding:
+    def _plan(
+        self,
+        job: LoadJob,
+        view: PeerView,
+        source: Source,
+        result: LoadResult | None,
+        table: np.ndarray,
+        span: tuple[int, int] | None = None,
+    ) -> TransferPlan:
+        """What this rank reads from one prefill rank (its page ``table``): its token shard of the layers
+        ``source`` serves, over the tokens ``span`` (default: the suffix past decode's prefix). The whole
+        suffix's plan is the one counted in ``result`` (a streamed load's reads are pieces of it)."""
+        if view.shape.sharding != job.remote.sharding and job.remote.tp_size:
             raise Refused(
                 f"prefill {view.engine_id} rank {source.rank} says its caches are sharded "
                 f"{view.shape.sharding}; the request's params say {job.remote.sharding}",
                 "refused_peer",
             )
+        start, end = span or (job.prefix_tokens, job.num_tokens)
         mine = token_shard(self.local.shape.tp_rank, self.local.shape.sharding)
         d_span = mine.table_tokens(self.local.shape.page_tokens)
         s_span = source.shard.table_tokens(view.shape.page_tokens)
-        # prefill's block ids become its kernel pages by the ratio it announced at the handshake
-        remote = block_pages(job.remote_pages, view.shape.pages_per_block, side="prefill")
-        src = suffix_pages(remote, job.num_tokens, job.prefix_tokens, s_span, align_tokens=d_span)
-        dst = suffix_pages(job.local_pages, job.num_tokens, job.prefix_tokens, d_span, align_tokens=d_span)
+        src = suffix_pages(table, end, start, s_span, align_tokens=d_span)
+        dst = suffix_pages(job.local_pages, end, start, d_span, align_tokens=d_span)
         t0 = time.perf_counter()
         plan = build_plan(
             view.regions,
             self.local.regions,
             src,
             dst,
-            num_tokens=job.num_tokens,
-            prefix_tokens=job.prefix_tokens,
+            num_tokens=end,
+            prefix_tokens=start,
             src_shard=source.shard,
             dst_shard=mine,
             layers=source.layers,
         )
-        result.plan_ms += (time.perf_counter() - t0) * 1e3
-        result.pages = {"prefill": result.pages.get("prefill", 0) + int(src.size), "decode": int(dst.size)}
+        if result is not None:
+            result.plan_ms += (time.perf_counter() - t0) * 1e3
+            result.pages = {"prefill": result.pages.get("prefill", 0) + int(src.size), "decode": int(dst.size)}
         return plan
+
+    def _stream(
+        self,
+        job: LoadJob,
+        remote: RemotePrefill,
+        group: tuple[int, ...],
+        result: LoadResult,
+        handoff: Handoff,
+        mark: Phases,
+    ) -> str:
+        """Read a streamed transfer while prefill writes it; returns the lease id prefill finished under."""
+        me = self.local.shape.tp_rank
+        serving = {s.rank: s for s in sources(me, *self._layouts(remote))}
+        feeds = [Feed(rank, rank in serving, job.prefix_tokens) for rank in group]
+        peers = [self._peer(remote, f.rank) for f in feeds]
+        align = token_shard(me, self.local.shape.sharding).table_tokens(self.local.shape.page_tokens)
+        mark("handshake")
+        subscribe = protocol.Subscribe(v=PROTOCOL_VERSION, request_id=job.lease_id, num_tokens=job.num_tokens)
+        for peer in peers:
+            peer.client.send(subscribe)
+        handoff.advance(HandoffState.WAITING_FOR_INPUT)
+        pieces: list[tuple[_Peer, TransferPlan, protocol.Claimed]] = []
+        t0 = time.perf_counter()
+        posted = self._posted()
+
+        def read(i: int) -> None:
+            span = feeds[i].next_read(align, job.num_tokens)
+            if span is not None:
+                plan = self._plan(job, peers[i].view, serving[feeds[i].rank], None, feeds[i].table, span)
+                if plan.num_runs:
+                    posted.append(self.local.transport.post_plan(peers[i].agent, plan, "READ"))
+                feeds[i].read_to = span[1]
+
+        with posted:
+            beat = time.monotonic()
+            while not all(f.lease_id for f in feeds):
+                if time.monotonic() - beat > self.heartbeat_s:  # prefill forgets a decode silent too long
+                    beat = time.monotonic()
+                    self._beat([p.client for p in peers])
+                i, msg = recv_any([p.client for p in peers], self.timeout_s, self._progress_or_cancel(job))
+                if getattr(msg, "request_id", None) != job.lease_id:
+                    continue  # a late answer to an earlier request
+                if isinstance(msg, protocol.Failed):
+                    raise Refused(f"prefill {remote.engine_id} rank {feeds[i].rank}: {msg.reason}", msg.code)
+                if not isinstance(msg, protocol.Progress):
+                    raise ProtocolError(f"prefill answered {type(msg).__name__} to a subscription")
+                feeds[i].take(msg, job.num_tokens)
+                read(i)
+            mark("stream")
+            handoff.advance(HandoffState.TRANSFERRING)
+            lease_ids = {f.lease_id for f in feeds}
+            if len(lease_ids) != 1:
+                raise ProtocolError(f"prefill ranks named different leases {sorted(lease_ids)}")
+            for i, feed in enumerate(feeds):
+                if feed.reads:  # the claim covers the whole suffix: prefill's digests cover what streamed
+                    plan = self._plan(job, peers[i].view, serving[feed.rank], result, feed.table)
+                    claim = self._claim(peers[i], plan, replace(job, stream_id="", remote_request_id=feed.lease_id))
+                    pieces.append((peers[i], plan, claim))
+                    read(i)
+            posted.wait(self.timeout_s)
+        result.seconds = time.perf_counter() - t0
+        self._count(result, posted, [(peer, plan) for peer, plan, _ in pieces])
+        for peer, plan, claim in pieces:
+            if claim.digests is not None:
+                self._verify(peer, plan, claim.digests, feeds[0].lease_id)
+        mark("pull")
+        return feeds[0].lease_id
+
+    def _progress_or_cancel(self, job: LoadJob) -> Callable[[], None]:
+        """``_progress``, and a cancelled load ends here (its blocks stay until the engine collects the result)."""
+
+        def progress() -> None:
+            if job.request_id in self._cancelled:
+                raise Refused("decode gave up on the request (its client went away)", "aborted")
+            self._progress()
+
+        return progress
+
+    def _beat(self, clients: list[SideChannelClient]) -> None:
+        self._beats += 1
+        for client in clients:
+            client.send(protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats))
+
+    def _known(self, remote: RemotePrefill) -> RemotePrefill:
+        """A streamed request's params name prefill's host and port only: rank 0's hello says the rest."""
+        if remote.tp_size:
+            return remote
+        key = (remote.host, remote.base_port)
+        with self._lock:
+            known = self._discovered.get(key)
+        if known is not None:
+            return known
+        client = SideChannelClient(remote.host, remote.base_port)
+        try:
+            client.send(protocol.Query(v=PROTOCOL_VERSION, engine_id=self.local.engine_id))
+            reply = client.recv(self.timeout_s)
+        finally:
+            client.close()
+        if isinstance(reply, protocol.Failed):
+            raise Refused(f"prefill at {client.address} refused: {reply.reason}", reply.code)
+        if not isinstance(reply, protocol.Hello) or reply.shape.tp_rank != 0:
+            raise ProtocolError(f"{client.address} is not a prefill's rank 0 (it answered {type(reply).__name__})")
+        known = RemotePrefill(reply.engine_id, remote.host, remote.base_port, reply.shape.tp_size, reply.shape.sharding)
+        with self._lock:
+            self._discovered[key] = known
+        return known
 
     def _claim(self, peer: _Peer, plan: TransferPlan, job: LoadJob) -> protocol.Claimed:
         claim = protocol.TransferRequest(
@@ -298,8 +475,7 @@ class DecodeService:
     def _pull(self, pieces: list[tuple[_Peer, TransferPlan]], result: LoadResult, job: LoadJob) -> None:
         """Post every layer's runs from every source (layer 0 first, each indexer with its layer), then wait."""
         t0 = time.perf_counter()
-        posted: list[Transfer] = []
-        try:
+        with self._posted() as posted:
             for peer, plan in pieces:
                 for _, entries in plan.layers():
                     if not any(e.num_runs for e in entries):
@@ -309,12 +485,15 @@ class DecodeService:
                     posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
                     if len(posted) == 1 and job.test_fault.startswith("transport_"):
                         posted[0].test_fault = job.test_fault.removeprefix("transport_")
-            for xfer in posted:
-                self.local.transport.wait(xfer, self.timeout_s)
-        finally:
-            for xfer in posted:
-                self.local.transport.release(xfer)
+            posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
+        self._count(result, posted, pieces)
+
+    def _posted(self) -> _Batches:
+        return _Batches(self.local.transport)
+
+    @staticmethod
+    def _count(result: LoadResult, posted: list[Transfer], pieces: list[tuple[_Peer, TransferPlan]]) -> None:
         # What moved is what the transport reported finished, not what the plan says it would move.
         moved = {"main": 0, "indexer": 0}
         for xfer in posted:
@@ -351,16 +530,24 @@ class DecodeService:
                     raise
                 logger.warning("glm-pd decode: prefill rank %d did not confirm release of %s", rank, request_id)
 
-    def _abort(self, remote: RemotePrefill, group: tuple[int, ...], request_id: str, reason: str) -> None:
+    def _abort(
+        self, remote: RemotePrefill, group: tuple[int, ...], request_id: str, reason: str, *, connect: bool = False
+    ) -> None:
+        """Tell every prefill rank holding the request to free it (``connect``: handshaking where needed)."""
         for rank in group:
             peer = self._peers.get((remote.engine_id, rank))
+            if peer is None and connect:
+                try:
+                    peer = self._peer(remote, rank)
+                except GlmPdError as exc:
+                    logger.warning("glm-pd decode: prefill rank %d not told to drop %s: %s", rank, request_id, exc)
             if peer is not None:
                 peer.client.send(protocol.Abort(v=PROTOCOL_VERSION, request_id=request_id, reason=reason[:500]))
 
     def _heartbeat(self, lane: int) -> None:
         """Tell this lane's prefill peers we are alive (an idle connection looks like a gone one)."""
-        for (engine, _), peer in list(self._peers.items()):
-            if self._lane_of.get(engine, _hash_lane(engine, len(self._lanes))) == lane:
+        for peer in list(self._peers.values()):
+            if self._lane_of.get(peer.engine, _hash_lane(peer.engine, len(self._lanes))) == lane:
                 self._beats += 1
                 peer.client.send(
                     protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats)
@@ -374,7 +561,7 @@ class DecodeService:
             self._send_renewals(lane, connect=False)
 
     def _lane_for(self, engine: str) -> int:
-        """The lane of a prefill engine (called under ``_lock``). Engine ids come from remote params: past
+        """The lane of a prefill engine by its address (called under ``_lock``). Addresses come from remote params: past
         the cap, lanes are picked by hash, not remembered."""
         lane = self._lane_of.get(engine)
         if lane is None:
@@ -386,6 +573,9 @@ class DecodeService:
         return lane
 
     def _forget(self, remote: RemotePrefill) -> None:
+        with self._lock:
+            for key in [k for k, v in self._discovered.items() if v.engine_id == remote.engine_id]:
+                del self._discovered[key]  # it may have restarted under another id or shape
         for key in [k for k in list(self._peers) if k[0] == remote.engine_id]:  # other lanes add theirs
             peer = self._peers.pop(key)
             peer.client.close()
@@ -420,7 +610,7 @@ class DecodeService:
         except Exception:
             client.close()
             raise
-        self._peers[key] = _Peer(client, view, agent)
+        self._peers[key] = _Peer(client, view, agent, remote.address)
         return self._peers[key]
 
     def _ask(self, peer: _Peer, msg: protocol.Message, request_id: str, want: tuple[type, ...], *, send: bool = True):

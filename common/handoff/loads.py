@@ -34,13 +34,19 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RemotePrefill:
     """Where a request's prefill lives: its engine id, side-channel host, base port (rank r: +r), TP size,
-    and how its ranks shard the caches (decode needs it to pick its sources before any handshake)."""
+    and how its ranks shard the caches (decode needs it to pick its sources before any handshake). A streamed
+    request's params name only the host and port (``tp_size`` 0): decode asks rank 0 for the rest."""
 
     engine_id: str
     host: str
     base_port: int
     tp_size: int
     sharding: Sharding = REPLICATED
+
+    @property
+    def address(self) -> str:
+        """Rank 0's side channel: one per prefill engine, known in pull and streamed params alike."""
+        return f"{self.host}:{self.base_port}"
 
 
 @dataclass(frozen=True)
@@ -54,11 +60,13 @@ class LoadJob:
     read: bool = True  # False: nothing to read (all tokens hit locally), only release prefill's pages
     test_fault: str = ""  # test hook, one of FAULTS ("kind" or "kind:seconds"); never set from remote input
     remote_request_id: str = ""  # prefill's id for the request, when the engines name it differently
+    stream_id: str = ""  # a streamed transfer: read while prefill runs (``remote_pages`` come from prefill)
     submitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def lease_id(self) -> str:
-        return self.remote_request_id or self.request_id
+        """Prefill's name for what decode claims, confirms or aborts (a streamed load: the transfer id)."""
+        return self.stream_id or self.remote_request_id or self.request_id
 
 
 # Test hooks (the fault matrix and the demo): what each does to one load.

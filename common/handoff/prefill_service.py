@@ -18,6 +18,11 @@ A decode peer is kept while it is heard from (decode sends heartbeats while idle
 same agent (a restart, or a re-handshake after a failed load) replaces it, and a peer silent for
 ``peer_idle_s`` that holds no claim (on a live lease, or waiting for one) is forgotten; either way its agent
 leaves the transport.
+Streamed transfers (``streamed``): the engine announces a request that carries a transfer id (``open_stream``),
+reports what each step wrote (``advance_stream``, with the step's ready event: a step's tokens are announced only
+once the GPU work writing them has completed, in step order), and grants its lease as in pull, naming the
+transfer. Subscribed decode ranks are sent each advance (``Progress``) and, once the lease is held, its id and
+the whole page table; they read while prefill still runs and claim the lease for the rest (``streams``).
 ``leftovers`` counts what is held, so a harness can check that nothing leaks.
 """
 
@@ -27,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +45,7 @@ from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.sidechannel import SideChannelServer, SideChannelTimeout
+from glm_pd_common.handoff.streams import Outgoing, StreamTable
 from glm_pd_common.layout.checksum import MAX_PAGE_QUERIES, page_digests, plan_digests
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
@@ -81,6 +87,25 @@ class _Unready:
     deadline: float
 
 
+@dataclass(frozen=True)
+class _Advance:
+    """One step's progress on a streamed transfer, announced once ``ready`` (if any) completes."""
+
+    transfer_id: str
+    new_pages: np.ndarray
+    ready_tokens: int
+    ready: ReadyEvent | None
+
+
+@dataclass(frozen=True)
+class _StreamCall:
+    """The engine opened (``num_tokens`` > 0) or ended (``why``) a streamed transfer."""
+
+    transfer_id: str
+    num_tokens: int = 0
+    why: str = ""
+
+
 @dataclass
 class _Decode:
     identity: bytes
@@ -99,8 +124,10 @@ class PrefillService:
         lease_s: float,
         timeout_s: float,
         peer_idle_s: float | None = None,
+        streamed: bool = False,
     ) -> None:
         self.local = local
+        self.streamed = streamed
         self.timeout_s = timeout_s
         # Past this silence a decode is gone: a live one heartbeats while idle and claims within a lease. Three
         # missed heartbeats at least, so a busy host's late beat never costs a live decode its next request.
@@ -111,7 +138,14 @@ class PrefillService:
         self._last_listen = time.monotonic()
         self.server = SideChannelServer(host, port)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
-        self._grants: queue.SimpleQueue[tuple[str, np.ndarray, ReadyEvent | None]] = queue.SimpleQueue()
+        # (lease id, pages, ready event, (transfer id, tokens) of a streamed request)
+        self._grants: queue.SimpleQueue[tuple[str, np.ndarray, ReadyEvent | None, tuple[str, int] | None]] = (
+            queue.SimpleQueue()
+        )
+        self._stream_calls: queue.SimpleQueue[_StreamCall | _Advance] = queue.SimpleQueue()
+        self._advancing: deque[_Advance] = deque()  # in step order: a step's progress waits for its event
+        self._streams = StreamTable(timeout_s)
+        self._lease_stream: dict[str, tuple[str, int]] = {}  # lease id -> (transfer id, tokens), until it ends
         self._unready: dict[str, _Unready] = {}
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()
         self._decodes: dict[bytes, _Decode] = {}
@@ -131,7 +165,28 @@ class PrefillService:
     def grant(self, request_id: str, pages: np.ndarray, ready: ReadyEvent | None = None) -> None:
         """Hold a finished request's full page table for decode. Its lease starts now, or with ``ready``
         once that event completes: no claim is answered before (the GPU may still be writing the pages)."""
-        self._grants.put((request_id, np.asarray(pages, dtype=np.int64), ready))
+        self._grants.put((request_id, np.asarray(pages, dtype=np.int64), ready, None))
+
+    def open_stream(self, transfer_id: str, num_tokens: int) -> None:
+        """A request carrying ``transfer_id`` arrived: decode ranks that subscribe wait for it while it runs."""
+        self._stream_calls.put(_StreamCall(transfer_id, num_tokens=num_tokens))
+
+    def advance_stream(
+        self, transfer_id: str, new_pages: np.ndarray, ready_tokens: int, ready: ReadyEvent | None = None
+    ) -> None:
+        """A step wrote the transfer's first ``ready_tokens`` tokens, into its page table extended by
+        ``new_pages``; announced to subscribers once ``ready`` completes."""
+        self._stream_calls.put(_Advance(transfer_id, np.asarray(new_pages, dtype=np.int64), ready_tokens, ready))
+
+    def end_stream(self, transfer_id: str, why: str) -> None:
+        """The request will not finish as streamed (aborted, or preempted: its pages were freed)."""
+        self._stream_calls.put(_StreamCall(transfer_id, why=why))
+
+    def grant_stream(
+        self, lease_id: str, transfer_id: str, pages: np.ndarray, num_tokens: int, ready: ReadyEvent | None = None
+    ) -> None:
+        """``grant`` for a streamed request of ``num_tokens``: subscribers are told the lease once it is held."""
+        self._grants.put((lease_id, np.asarray(pages, dtype=np.int64), ready, (transfer_id, num_tokens)))
 
     def finished(self) -> list[Finished]:
         return drain(self._finished)
@@ -146,6 +201,7 @@ class PrefillService:
             "unready": len(self._unready),
             "early_claims": len(self._early_claims),
             "plans": len(self._plans),
+            "streams": len(self._streams),
             "decode_peers": len(self._decodes),
             "transport_peers": len(self.local.transport.remote_peers()),
         }
@@ -164,9 +220,14 @@ class PrefillService:
                 logger.exception("glm-pd prefill service step failed")
 
     def _step(self) -> None:
-        for request_id, pages, ready in drain(self._grants):
+        for call in drain(self._stream_calls):
+            self._on_stream_call(call)
+        for request_id, pages, ready, stream in drain(self._grants):
+            if stream is not None:
+                self._lease_stream[request_id] = stream
             self._on_grant(request_id, pages, ready)
         self._poll_unready()
+        self._poll_advancing()
         # What queued up while this thread was away is answered before leases expire.
         for _ in range(_QUEUED_PER_TURN):
             if not self._serve(timeout_s=0.0):
@@ -180,6 +241,7 @@ class PrefillService:
                 self._fail(ident, request_id, "prefill holds no lease for this request", "lease_expired")
         if now >= self._next_idle_check:
             self._forget_silent(now)
+        self._send_all(self._streams.tick(now))
         self.local.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
         self._serve(timeout_s=0.002)
 
@@ -227,6 +289,11 @@ class PrefillService:
             self._fail(ident, getattr(msg, "request_id", ""), "no handshake from this peer yet", "refused_peer")
         elif isinstance(msg, protocol.TransferRequest):
             self._on_claim(ident, msg)
+        elif isinstance(msg, protocol.Subscribe):
+            if self.streamed:
+                self._send_all(self._streams.subscribe(ident, msg))
+            else:
+                self._fail(ident, msg.request_id, "this prefill runs without streamed transfers", "refused_peer")
         elif isinstance(msg, protocol.Done):
             self._on_done(ident, msg)
         elif isinstance(msg, protocol.Abort):
@@ -291,8 +358,16 @@ class PrefillService:
                 self._end_unready(Finished(request_id, "expired", detail), "lease_expired")
 
     def _hold(self, request_id: str, pages: np.ndarray) -> None:
-        """The pages are final: lease them (the clock starts now) and answer the claims that came first."""
+        """The pages are final: lease them (the clock starts now) and answer the claims that came first. A
+        streamed request's subscribers learn the lease now; one decode gave up on already ends here."""
+        stream = self._lease_stream.get(request_id)
+        live, out = (True, []) if stream is None else self._streams.finish(stream[0], request_id, pages, stream[1])
+        if not live:
+            gave_up = Finished(request_id, "aborted", f"decode gave up on streamed transfer {stream}")
+            self._end_unready(gave_up, "aborted")
+            return
         self._leases.grant(request_id, pages, releases=1)
+        self._send_all(out)
         for key in [k for k in self._early_claims if k[0] == request_id]:
             early = self._early_claims.pop(key)[0]
             if isinstance(early, protocol.Done):
@@ -306,12 +381,39 @@ class PrefillService:
             del self._early_claims[key]
             self._fail(key[1], done.request_id, f"prefill's lease on this request ended: {done.detail}", code)
 
+    def _on_stream_call(self, call: _StreamCall | _Advance) -> None:
+        if isinstance(call, _Advance):
+            self._advancing.append(call)
+        elif call.why:
+            self._advancing = deque(a for a in self._advancing if a.transfer_id != call.transfer_id)
+            self._send_all(self._streams.end(call.transfer_id, f"prefill ended the request: {call.why}"))
+        else:
+            self._send_all(self._streams.open(call.transfer_id, call.num_tokens))
+
+    def _poll_advancing(self) -> None:
+        """Announce steps whose writes have completed, in step order (a later step's event completes later)."""
+        while self._advancing:
+            head = self._advancing[0]
+            try:
+                if head.ready is not None and not head.ready.query():
+                    return
+            except Exception as exc:  # a device error: what the step wrote cannot be trusted
+                self._advancing.popleft()
+                self._send_all(self._streams.end(head.transfer_id, f"its step's ready event failed: {exc!r}"))
+                continue
+            self._advancing.popleft()
+            self._send_all(self._streams.advance(head.transfer_id, head.new_pages, head.ready_tokens))
+
+    def _send_all(self, out: Outgoing) -> None:
+        for ident, msg in out:
+            self.server.send(ident, msg)
+
     def _on_renew(self, ident: bytes, msg: protocol.Renew) -> None:
         """Extend the unclaimed leases decode still waits on; anything else is ignored (renewal is unanswered)."""
         if ident not in self._decodes:
             logger.debug("glm-pd prefill: ignored a renewal of %d lease(s) from an unknown peer", len(msg.request_ids))
             return
-        for request_id in msg.request_ids:
+        for request_id in [self._streams.lease_of(i) or i for i in msg.request_ids]:  # a transfer id: its lease
             if request_id in self._unready:
                 logger.debug("glm-pd prefill: renewal of %s ignored: its pages are not ready yet", request_id)
                 continue
@@ -391,6 +493,13 @@ class PrefillService:
             self._end(Finished(msg.request_id, "released"))
 
     def _on_abort(self, msg: protocol.Abort) -> None:
+        if self.streamed and msg.request_id not in self._leases and msg.request_id not in self._unready:
+            # a transfer id decode gave up on: its subscribers are told; a lease granted for it ends below, one
+            # still to come ends when it is held
+            lease_id = self._streams.lease_of(msg.request_id)
+            self._send_all(self._streams.end(msg.request_id, f"decode aborted it: {msg.reason}"))
+            if lease_id:
+                msg = protocol.Abort(v=msg.v, request_id=lease_id, reason=msg.reason)
         held = self._leases.drop(msg.request_id) is not None
         if self._unready.pop(msg.request_id, None) is not None or held:
             self._end(Finished(msg.request_id, "aborted", msg.reason))
@@ -408,6 +517,7 @@ class PrefillService:
     def _forget(self, ident: bytes, why: str) -> None:
         """Drop a decode peer and what was kept for it (its agent, plans, early claims); leases stay."""
         decode = self._decodes.pop(ident, None)
+        self._streams.drop_subscriber(ident)
         for key in [k for k in self._early_claims if k[1] == ident]:
             del self._early_claims[key]
         for plan_key in [k for k in self._plans if k[0] == ident]:
@@ -436,6 +546,8 @@ class PrefillService:
 
     def _end(self, done: Finished) -> None:
         self._finished.put(done)
+        if self._lease_stream.pop(done.request_id, None) is not None:
+            self._streams.lease_ended(done.request_id)
         self._gone[done.request_id] = done.outcome
         while len(self._gone) > 4096:
             self._gone.popitem(last=False)

@@ -14,6 +14,9 @@ Version history:
 - 4: the hello's shape carries ``sharding`` (context parallelism: token and layer shards); a layer-split rank
   announces only the layers it holds; a decode rank may claim from several prefill ranks per request, and
   vLLM's ``kv_transfer_params`` carry prefill's sharding.
+- 5: streamed handoff: ``subscribe`` (decode asks for the progress of a transfer id while prefill still runs)
+  and ``progress`` (prefill: the first ``ready_tokens`` are written, in these pages; a lease id once the request
+  finished, which decode then claims as in pull); ``abort`` and ``renew`` accept a transfer id.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -29,7 +32,7 @@ from glm_pd_common.errors import ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.pages import INT64_MAX
 
-PROTOCOL_VERSION = 4  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
+PROTOCOL_VERSION = 5  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
 HEARTBEAT_S = 5.0  # an idle decode lane says it is alive at least this often (a wire contract, as the messages)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
@@ -133,6 +136,26 @@ class Renew(_Base, tag="renew", frozen=True):
     request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_RENEW_IDS)]
 
 
+class Subscribe(_Base, tag="subscribe", frozen=True):
+    """Decode holds blocks for a streamed transfer: send its ``progress`` as prefill computes it."""
+
+    request_id: str  # the transfer id the router gave both legs
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]  # decode's prompt length; prefill's must match
+
+
+class Progress(_Base, tag="progress", frozen=True):
+    """Prefill has written the first ``ready_tokens`` tokens of a streamed transfer. ``pages`` are prefill's page
+    table entries from index ``first_page`` on (what this subscriber has not been sent yet). ``lease_id`` is
+    set once the request finished: its pages are leased under that id, and ``pages`` is the whole table."""
+
+    request_id: str
+    num_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # prefill's prompt length, 0 if not known yet
+    ready_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+    first_page: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+    pages: list[PageId]
+    lease_id: str = ""
+
+
 class DigestQuery(_Base, tag="digest_query", frozen=True):
     request_id: str
     region_indices: list[int]
@@ -144,7 +167,20 @@ class PageDigests(_Base, tag="page_digests", frozen=True):
 
 
 Message = Union[
-    Hello, Query, TransferRequest, Claimed, Released, Done, Failed, Abort, Heartbeat, Renew, DigestQuery, PageDigests
+    Hello,
+    Query,
+    TransferRequest,
+    Claimed,
+    Released,
+    Done,
+    Failed,
+    Abort,
+    Heartbeat,
+    Renew,
+    Subscribe,
+    Progress,
+    DigestQuery,
+    PageDigests,
 ]
 
 

@@ -74,3 +74,21 @@ class SideChannelClient:
     def close(self) -> None:
         self._sock.close(0)
         self._ctx.term()
+
+
+def recv_any(
+    clients: list[SideChannelClient], timeout_s: float, progress: Callable[[], object]
+) -> tuple[int, protocol.Message]:
+    """The next message from any of ``clients`` (its index, the message); ``progress`` runs every few ms."""
+    poller = zmq.Poller()
+    for client in clients:
+        poller.register(client._sock, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = dict(poller.poll(2))
+        for i, client in enumerate(clients):
+            if client._sock in ready:
+                return i, protocol.decode(client._sock.recv())
+        if time.monotonic() > deadline:
+            raise SideChannelTimeout(f"no message from {[c.address for c in clients]} within {timeout_s:.1f} s")
+        progress()

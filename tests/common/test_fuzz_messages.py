@@ -55,6 +55,8 @@ def samples(spec: CacheSpec) -> list[proto.Message]:
         proto.Abort(v=v, request_id="r", reason="y"),
         proto.Renew(v=v, request_ids=["r", "s"]),
         proto.Heartbeat(v=v, engine_id="e", seq=3),
+        proto.Subscribe(v=v, request_id="t", num_tokens=130),
+        proto.Progress(v=v, request_id="t", num_tokens=130, ready_tokens=64, first_page=1, pages=[7], lease_id="t#0"),
         proto.DigestQuery(v=v, request_id="r", region_indices=[0, 9]),
         proto.PageDigests(v=v, request_id="r", pages={0: [1, 2]}),
     ]

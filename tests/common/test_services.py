@@ -18,7 +18,15 @@ from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.plan import build_plan
 from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill, endpoint, wait_for
 
-IDLE = {"leases": 0, "unready": 0, "early_claims": 0, "plans": 0, "decode_peers": 1, "transport_peers": 1}
+IDLE = {
+    "leases": 0,
+    "unready": 0,
+    "early_claims": 0,
+    "plans": 0,
+    "streams": 0,
+    "decode_peers": 1,
+    "transport_peers": 1,
+}
 
 
 @pytest.mark.parametrize("same_name", [True, False], ids=["same-agent-name", "new-agent-name"])

@@ -44,12 +44,26 @@ def wait_for(get: Callable[[], T], done: Callable[[T], bool], timeout_s: float) 
 class Prefill:
     """One prefill rank: its caches hold ``SEED`` content in every page; ``grant`` holds pages for decode."""
 
-    def __init__(self, spec: CacheSpec, *, lease_s: float = 60.0, timeout_s: float = 10.0, idle_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        spec: CacheSpec,
+        *,
+        lease_s: float = 60.0,
+        timeout_s: float = 10.0,
+        idle_s: float = 1.0,
+        streamed: bool = False,
+    ) -> None:
         self.caches, self.local = endpoint(spec, "prefill-0", timeout_s)
         self.table = np.arange(NUM_PAGES, dtype=np.int64)[::-1].copy()
         self.caches.write_tokens(self.table, 0, NUM_PAGES * PAGE_TOKENS, seed=SEED)
         self.service = PrefillService(
-            self.local, host="127.0.0.1", port=0, lease_s=lease_s, timeout_s=timeout_s, peer_idle_s=idle_s
+            self.local,
+            host="127.0.0.1",
+            port=0,
+            lease_s=lease_s,
+            timeout_s=timeout_s,
+            peer_idle_s=idle_s,
+            streamed=streamed,
         )
         self.remote = RemotePrefill("prefill-0", "127.0.0.1", self.service.port, 1)
         self.ended: list[Finished] = []

@@ -1,0 +1,150 @@
+"""Prefill's streamed transfers: what each running request has written so far, and who is reading it.
+
+A streamed request is known by the transfer id the router gave both legs. The engine announces it (``open``),
+reports each step's written tokens and the pages they are in (``advance``, gated on the step's ready event by
+the service), and hands over its lease when the request finishes (``finish``). Decode ranks ``subscribe``; each
+is sent the pages it has not been sent yet. Nothing here touches a socket: the service thread owns this table
+and sends the ``Progress`` and ``Failed`` messages it returns, so the order of every change is that thread's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from glm_pd_common.handoff import protocol
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+
+_MAX_ENDED = 4096  # ended transfer ids remembered, so a late subscriber or a late grant is answered at once
+
+
+@dataclass
+class _Stream:
+    num_tokens: int = 0  # the prompt's length once the engine announced it
+    pages: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    ready_tokens: int = 0
+    subscribers: dict[bytes, int] = field(default_factory=dict)  # identity -> pages sent to it
+    lease_id: str = ""
+    deadline: float = float("inf")  # subscribed before the engine announced it: wait this long
+    last_sent: float = 0.0
+
+
+Outgoing = list[tuple[bytes, protocol.Message]]
+
+
+class StreamTable:
+    def __init__(self, timeout_s: float, keepalive_s: float = protocol.HEARTBEAT_S) -> None:
+        self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
+        self._streams: dict[str, _Stream] = {}
+        self._leases: dict[str, str] = {}  # lease id -> transfer id
+        self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> why it ended
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def lease_of(self, transfer_id: str) -> str:
+        stream = self._streams.get(transfer_id)
+        return stream.lease_id if stream is not None else ""
+
+    def open(self, transfer_id: str, num_tokens: int) -> Outgoing:
+        """The engine has the request: subscribers wait for it as long as it runs."""
+        if transfer_id in self._ended:
+            return []
+        stream = self._streams.setdefault(transfer_id, _Stream())
+        stream.num_tokens, stream.deadline = num_tokens, float("inf")
+        return self._send(transfer_id, stream)
+
+    def advance(self, transfer_id: str, new_pages: np.ndarray, ready_tokens: int) -> Outgoing:
+        """A step finished writing: the first ``ready_tokens`` tokens are in the table extended by ``new_pages``."""
+        stream = self._streams.get(transfer_id)
+        if stream is None or stream.lease_id:
+            return []
+        stream.pages = np.concatenate([stream.pages, np.asarray(new_pages, dtype=np.int64)])
+        stream.ready_tokens = max(stream.ready_tokens, ready_tokens)
+        return self._send(transfer_id, stream)
+
+    def finish(self, transfer_id: str, lease_id: str, pages: np.ndarray, num_tokens: int) -> tuple[bool, Outgoing]:
+        """The request finished and its pages are leased (and final): tell every subscriber the lease. False when
+        the transfer already ended (decode gave up on it): the lease should end now."""
+        if transfer_id in self._ended:
+            return False, []
+        stream = self._streams.setdefault(transfer_id, _Stream())
+        stream.lease_id, stream.pages = lease_id, np.asarray(pages, dtype=np.int64)
+        stream.num_tokens = stream.ready_tokens = num_tokens
+        stream.deadline = float("inf")
+        self._leases[lease_id] = transfer_id
+        stream.subscribers = dict.fromkeys(stream.subscribers, 0)  # the whole table goes with the lease
+        return True, self._send(transfer_id, stream)
+
+    def subscribe(self, ident: bytes, msg: protocol.Subscribe) -> Outgoing:
+        if msg.request_id in self._ended:
+            return [(ident, _failed(msg.request_id, f"the transfer already ended: {self._ended[msg.request_id]}"))]
+        stream = self._streams.get(msg.request_id)
+        if stream is None:  # decode's leg beat prefill's: wait for the engine a while
+            stream = self._streams[msg.request_id] = _Stream(deadline=time.monotonic() + self.timeout_s)
+        stream.subscribers[ident] = 0
+        return self._send(msg.request_id, stream, only=ident)
+
+    def end(self, transfer_id: str, why: str) -> Outgoing:
+        """The transfer cannot complete (prefill aborted or preempted the request, or decode gave up): every
+        subscriber is told; a later grant or subscription is refused. Returns the messages."""
+        stream = self._streams.pop(transfer_id, None)
+        self._remember(transfer_id, why)
+        if stream is None:
+            return []
+        self._leases.pop(stream.lease_id, None)
+        return [(ident, _failed(transfer_id, why)) for ident in stream.subscribers]
+
+    def lease_ended(self, lease_id: str) -> None:
+        """The lease was released, aborted or expired: the transfer is over."""
+        transfer_id = self._leases.pop(lease_id, None)
+        if transfer_id is not None:
+            self._streams.pop(transfer_id, None)
+            self._remember(transfer_id, "its lease ended")
+
+    def drop_subscriber(self, ident: bytes) -> None:
+        for stream in self._streams.values():
+            stream.subscribers.pop(ident, None)
+
+    def tick(self, now: float) -> Outgoing:
+        """Fail subscriptions the engine never announced in time; keep quiet subscribers' waits alive."""
+        out: Outgoing = []
+        for transfer_id in [t for t, s in self._streams.items() if s.deadline < now]:
+            out += self.end(transfer_id, "prefill has no request for this transfer id (it never arrived there)")
+        for transfer_id, stream in self._streams.items():
+            if stream.subscribers and now - stream.last_sent >= self.keepalive_s:
+                out += self._send(transfer_id, stream)
+        return out
+
+    def _send(self, transfer_id: str, stream: _Stream, only: bytes | None = None) -> Outgoing:
+        """Each subscriber gets the pages it was not sent yet (none, as a keepalive, when it has them all)."""
+        out: Outgoing = []
+        idents = [only] if only is not None else list(stream.subscribers)
+        for ident in idents:
+            first = stream.subscribers[ident]
+            msg = protocol.Progress(
+                v=PROTOCOL_VERSION,
+                request_id=transfer_id,
+                num_tokens=stream.num_tokens,
+                ready_tokens=stream.ready_tokens,
+                first_page=first,
+                pages=stream.pages[first:].tolist(),
+                lease_id=stream.lease_id,
+            )
+            stream.subscribers[ident] = int(stream.pages.size)
+            out.append((ident, msg))
+        stream.last_sent = time.monotonic()
+        return out
+
+    def _remember(self, transfer_id: str, why: str) -> None:
+        self._ended[transfer_id] = why
+        while len(self._ended) > _MAX_ENDED:
+            self._ended.popitem(last=False)
+
+
+def _failed(transfer_id: str, why: str) -> protocol.Failed:
+    return protocol.Failed(v=PROTOCOL_VERSION, request_id=transfer_id, reason=why, code="aborted")
