@@ -23,6 +23,7 @@ class GlmPdVllmConfig:
     verify_checksums: bool = False  # per-region xxh3 digests compared before a load counts
     indexer_scale_format: str = ""  # empty: what vLLM writes on the device; fp32 (SM90, CPU) | ue8m0x4 (SM10x)
     model_revision: str = ""  # checked between peers when both set it
+    streamed: bool = False  # prefill announces each step's blocks; decode reads while prefill runs (README)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> GlmPdVllmConfig:

@@ -142,7 +142,9 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
         """Nothing to save: decode pulls from prefill's blocks, which are leased after the request ends."""
 
     def wait_for_save(self) -> None:
-        """Pull mode has no save to wait for."""
+        """Nothing is saved: a streamed prefill announces what this step wrote (decode reads it)."""
+        if self._worker is not None:
+            self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import replace
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 from vllm.config import VllmConfig
@@ -156,25 +156,72 @@ class KvTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     @classmethod
     def decode(cls, params: object) -> KvTransferParams:
         """Validate what decode got from the router: the version first, then every field. Raises naming the key."""
-        if not isinstance(params, dict):
-            raise ConfigError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-        version = params.get("glm_pd_protocol")
-        if type(version) is not int:
-            raise ConfigError(
-                f"kv_transfer_params['glm_pd_protocol'] must be the glm-pd protocol version (this decode speaks "
-                f"{PROTOCOL_VERSION}), got {_shown(version)}: not from a GlmPdConnector prefill of this version"
-            )
-        if version != PROTOCOL_VERSION:
-            raise ConfigError(
-                f"kv_transfer_params['glm_pd_protocol'] is {version}; this decode speaks {PROTOCOL_VERSION} "
-                "(upgrade prefill and decode together)"
-            )
-        try:
-            return msgspec.convert(params, cls)
-        except msgspec.ValidationError as exc:
-            if isinstance(exc.__cause__, ConfigError):  # raised by __post_init__, already names the key
-                raise exc.__cause__ from None
-            raise _refusal(params, str(exc)) from None
+        return _convert(params, cls)
+
+
+class StreamParams(msgspec.Struct, kw_only=True, frozen=True):
+    """A streamed request's params on decode: the router sends them beside prefill's leg, before prefill has
+    computed anything, so they name only the transfer id both legs carry and prefill's side channel (rank 0
+    tells decode its TP size and sharding). Prefill's leg carries ``glm_pd_transfer_id`` and
+    ``do_remote_decode``."""
+
+    glm_pd_protocol: int = PROTOCOL_VERSION
+    do_remote_prefill: bool = True
+    glm_pd_transfer_id: Text
+    remote_host: Text
+    remote_port: Port
+
+    def __post_init__(self) -> None:
+        _check_host(self.remote_host)
+
+    @property
+    def address(self) -> str:
+        return f"{self.remote_host}:{self.remote_port}"
+
+    @classmethod
+    def decode(cls, params: object) -> StreamParams:
+        return _convert(params, cls)
+
+
+def decode_params(params: dict[str, Any]) -> KvTransferParams | StreamParams:
+    """Decode's params of either mode: a transfer id marks a streamed request."""
+    return StreamParams.decode(params) if "glm_pd_transfer_id" in params else KvTransferParams.decode(params)
+
+
+def transfer_id(params: dict[str, Any]) -> str:
+    """The transfer id on prefill's leg of a streamed request; refused unless it is short text."""
+    value = params.get("glm_pd_transfer_id")
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise ConfigError(
+            f"kv_transfer_params['glm_pd_transfer_id'] must be text of 1..256 characters, got {_shown(value)}"
+        )
+    return value
+
+
+_Params = TypeVar("_Params", KvTransferParams, StreamParams)
+
+
+def _convert(params: object, cls: type[_Params]) -> _Params:
+    """The version first, then every field of ``cls``; an error names the key."""
+    if not isinstance(params, dict):
+        raise ConfigError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    version = params.get("glm_pd_protocol")
+    if type(version) is not int:
+        raise ConfigError(
+            f"kv_transfer_params['glm_pd_protocol'] must be the glm-pd protocol version (this decode speaks "
+            f"{PROTOCOL_VERSION}), got {_shown(version)}: not from a GlmPdConnector prefill of this version"
+        )
+    if version != PROTOCOL_VERSION:
+        raise ConfigError(
+            f"kv_transfer_params['glm_pd_protocol'] is {version}; this decode speaks {PROTOCOL_VERSION} "
+            "(upgrade prefill and decode together)"
+        )
+    try:
+        return msgspec.convert(params, cls)
+    except msgspec.ValidationError as exc:
+        if isinstance(exc.__cause__, ConfigError):  # raised by __post_init__, already names the key
+            raise exc.__cause__ from None
+        raise _refusal(params, str(exc)) from None
 
 
 def _check_host(host: str) -> None:

@@ -3,6 +3,13 @@
 Prefill: a finished ``do_remote_decode`` request keeps its blocks (delay free) and hands the router the
 params; the worker is told to lease those blocks. Decode: validated params plus the local prefix hit
 become a load of the suffix only; the scheduler parks the request until the worker reports it.
+
+Streamed (``streamed``): prefill's leg carries a transfer id, and decode's leg arrives at the same time with the
+same id. Prefill tells its workers, each step, which blocks the step writes and how many prompt tokens will then
+be computed (vLLM's own ``SchedulerOutput``: new and cached requests' block ids, tokens scheduled); the workers
+announce them once the step's writes are done. A streamed request that is preempted or aborted on prefill ends
+its transfer (its blocks were freed). Decode admits a streamed request as any other and reads while prefill runs;
+an aborted one's load is cancelled.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -19,7 +26,7 @@ from vllm.v1.request import RequestStatus
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.lease import renew_interval
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import KvTransferParams, context_parallel
+from glm_pd_vllm.params import KvTransferParams, StreamParams, context_parallel, decode_params, transfer_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +63,7 @@ class LoadSpec:
     error: str = ""
     token_shards: int = 1  # prefill's sharding (kv_transfer_params): decode picks its sources by it
     interleave: int = 1
+    stream_id: str = ""  # a streamed request's transfer id: prefill's shape is learnt from its rank 0
     queued_at: float = field(default_factory=time.monotonic)  # one clock for scheduler and workers (one host)
 
 
@@ -73,11 +81,36 @@ class Renewal:
 
 
 @dataclass
+class Grant:
+    """Prefill: a finished request's blocks to lease (and, streamed, the transfer its decode reads)."""
+
+    request_id: str  # vLLM's
+    blocks: list[int]
+    transfer_id: str = ""
+    num_tokens: int = 0
+
+
+@dataclass
+class _Streaming:
+    """Prefill: a streamed request vLLM runs, and how much of it the workers were told of."""
+
+    transfer_id: str
+    num_tokens: int  # its prompt
+    blocks_told: int = 0
+    broken: str = ""  # why the transfer ended early (its blocks were freed)
+
+
+@dataclass
 class GlmPdMetadata(KVConnectorMetadata):
-    # prefill: lease id -> (vLLM's request id, blocks to lease)
-    grants: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    grants: dict[str, Grant] = field(default_factory=dict)  # prefill: lease id -> what to lease
+    # prefill, streamed: transfers opened (id -> prompt tokens), this step's (new blocks, tokens written once the
+    # step is done), transfers ended early (id -> why)
+    opened: dict[str, int] = field(default_factory=dict)
+    progress: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    ended: dict[str, str] = field(default_factory=dict)
     loads: list[LoadSpec] = field(default_factory=list)  # decode: loads to start
     renewals: list[Renewal] = field(default_factory=list)  # decode: leases to keep while requests wait
+    cancels: list[str] = field(default_factory=list)  # decode: streamed loads whose requests vLLM aborted
 
 
 class GlmPdScheduler:
@@ -94,20 +127,25 @@ class GlmPdScheduler:
         kv = vllm_config.kv_transfer_config
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self._meta = GlmPdMetadata()
-        self._pending: dict[str, tuple[KvTransferParams | None, int, str]] = {}  # id -> (remote, prefix, error)
+        # id -> (remote, prefix, error)
+        self._pending: dict[str, tuple[KvTransferParams | StreamParams | None, int, str]] = {}
         # decode: requests vLLM holds whose load has not started; prefill's leases are renewed for them
-        self._waiting: dict[str, KvTransferParams] = {}
+        self._waiting: dict[str, KvTransferParams | StreamParams] = {}
+        self._streaming: dict[str, _Streaming] = {}  # prefill: vLLM's request id -> its streamed transfer
         self._renew_every = renew_interval(config.lease_s)  # prefill's lease_s: both sides share the config
         self._next_renewal = time.monotonic() + self._renew_every
 
     # -- decode ---------------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        """From arrival on, a request that waits in vLLM's queue (no free blocks yet) keeps prefill's lease."""
+        """From arrival on, a request that waits in vLLM's queue (no free blocks yet) keeps prefill's lease; on
+        prefill, a streamed request's transfer opens (decode's subscription waits for it)."""
         params = request.kv_transfer_params
+        if self.is_producer and isinstance(params, dict) and params.get("do_remote_decode"):
+            self._open_stream(request, params)
         if not self.is_consumer or not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return
         try:
-            self._waiting[request.request_id] = KvTransferParams.decode(params)
+            self._waiting[request.request_id] = decode_params(params)
         except ConfigError:
             return  # get_num_new_matched_tokens fails the request with the reason
 
@@ -118,6 +156,10 @@ class GlmPdScheduler:
         self._next_renewal = now + self._renew_every
         by_engine: dict[tuple[str, str, int, int, int, int], list[str]] = {}
         for remote in self._waiting.values():
+            if isinstance(remote, StreamParams):  # prefill's shape is learnt from its rank 0 (tp_size 0)
+                key = (remote.address, remote.remote_host, remote.remote_port, 0, 1, 1)
+                by_engine.setdefault(key, []).append(remote.glm_pd_transfer_id)
+                continue
             key = (
                 remote.remote_engine_id,
                 remote.remote_host,
@@ -134,9 +176,12 @@ class GlmPdScheduler:
         if not self.is_consumer or not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         num_prompt = len(request.prompt_token_ids or [])
+        remote: KvTransferParams | StreamParams | None
         try:
-            remote = KvTransferParams.decode(params)
-            if remote.remote_num_tokens != num_prompt:
+            remote = decode_params(params)
+            if isinstance(remote, StreamParams) and not self.config.streamed:
+                raise ConfigError("a streamed request (glm_pd_transfer_id), but this decode runs with streamed off")
+            if isinstance(remote, KvTransferParams) and remote.remote_num_tokens != num_prompt:
                 raise ConfigError(f"prefill computed {remote.remote_num_tokens} tokens; this prompt has {num_prompt}")
             if num_computed_tokens % self.block_tokens:
                 raise ConfigError(f"local prefix hit {num_computed_tokens} is not block-aligned ({self.block_tokens})")
@@ -169,23 +214,23 @@ class GlmPdScheduler:
                     LoadSpec(request.request_id, "", "", "", 0, 1, [], local_blocks, 0, 0, error=error)
                 )
             return
-        self._meta.loads.append(
-            LoadSpec(
-                request_id=request.request_id,
+        load = LoadSpec(request.request_id, "", "", remote.remote_host, remote.remote_port, 0, [], local_blocks,
+                        len(request.prompt_token_ids or []), prefix, read)  # fmt: skip
+        if isinstance(remote, StreamParams):  # prefill's engine id, shape and blocks: from prefill, as it runs
+            transfer = remote.glm_pd_transfer_id
+            load = replace(load, remote_request_id=transfer, engine_id=remote.address, stream_id=transfer)
+        else:
+            load = replace(
+                load,
                 remote_request_id=remote.remote_request_id,
                 engine_id=remote.remote_engine_id,
-                host=remote.remote_host,
-                port=remote.remote_port,
                 tp_size=remote.tp_size,
                 remote_block_ids=remote.remote_block_ids,
-                local_block_ids=local_blocks,
                 num_tokens=remote.remote_num_tokens,
-                prefix_tokens=prefix,
-                read=read,
                 token_shards=remote.remote_token_shards,
                 interleave=remote.remote_interleave,
             )
-        )
+        self._meta.loads.append(load)
 
     # -- prefill --------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
@@ -196,10 +241,17 @@ class GlmPdScheduler:
             self._pending[request.request_id] = (remote, 0, "")
             self._queue(request, [], read=False)
         params = request.kv_transfer_params
+        if self.is_consumer and params and params.get("glm_pd_transfer_id") and _aborted(request):
+            self._meta.cancels.append(request.request_id)  # its streamed load may still wait on prefill
         if not self.is_producer or not params or not params.get("do_remote_decode"):
             return False, None
+        stream = self._streaming.pop(request.request_id, None)
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            if stream is not None and not stream.broken:
+                self._meta.ended[stream.transfer_id] = f"prefill's request ended {request.status.name}"
             return False, None  # aborted or errored: nothing for decode, free now
+        if stream is not None and stream.broken:
+            return False, None  # its transfer already ended: decode reads none of these blocks
         blocks = list(block_ids[0]) if block_ids else []
         if not blocks:
             return False, None
@@ -222,10 +274,59 @@ class GlmPdScheduler:
         except ConfigError as exc:
             logger.error("GlmPdConnector: request %s: no kv_transfer_params for decode: %s", request.request_id, exc)
             return False, None
-        self._meta.grants[lease_id] = (request.request_id, blocks)
+        grant = Grant(request.request_id, blocks)
+        if stream is not None:
+            grant = Grant(request.request_id, blocks, stream.transfer_id, stream.num_tokens)
+        self._meta.grants[lease_id] = grant
         return True, out.encode()
 
+    def _open_stream(self, request: Request, params: dict) -> None:
+        if "glm_pd_transfer_id" not in params:
+            return
+        try:
+            if not self.config.streamed:
+                raise ConfigError("a streamed request (glm_pd_transfer_id), but this prefill runs with streamed off")
+            stream = _Streaming(transfer_id(params), len(request.prompt_token_ids or []))
+        except ConfigError as exc:  # decode's subscription is refused or times out, naming no request of ours
+            logger.warning("GlmPdConnector: request %s is not streamed: %s", request.request_id, exc)
+            return
+        self._streaming[request.request_id] = stream
+        self._meta.opened[stream.transfer_id] = stream.num_tokens
+
+    def _stream_progress(self, out: SchedulerOutput) -> None:
+        """What this step writes of each streamed request: the blocks vLLM gave it since the workers were last
+        told, and the prompt tokens computed once the step is done. A preempted request's blocks were freed:
+        its transfer ends (decode fails its load; prefill recomputes and frees at the end)."""
+        for request_id in out.preempted_req_ids or ():
+            stream = self._streaming.get(request_id)
+            if stream is not None and not stream.broken:
+                stream.broken = "prefill preempted the request (its blocks were freed)"
+                self._meta.ended[stream.transfer_id] = stream.broken
+        steps = [(r.req_id, list(r.block_ids[0]), r.num_computed_tokens, True) for r in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            resumed = request_id in cached.resumed_req_ids
+            steps.append((request_id, list(new[0]) if new else [], cached.num_computed_tokens[i], resumed))
+        for request_id, blocks, computed, whole in steps:
+            stream = self._streaming.get(request_id)
+            if stream is None or stream.broken:
+                continue
+            if whole and stream.blocks_told:  # a resumed request's table is new: its transfer cannot go on
+                stream.broken = "prefill resumed the request in other blocks"
+                self._meta.ended[stream.transfer_id] = stream.broken
+                continue
+            stream.blocks_told += len(blocks)
+            written = min(computed + out.num_scheduled_tokens.get(request_id, 0), stream.num_tokens)
+            self._meta.progress[stream.transfer_id] = (blocks, written)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GlmPdMetadata:
+        if self._streaming:
+            self._stream_progress(scheduler_output)
         meta, self._meta = self._meta, GlmPdMetadata()
         meta.renewals = self._renewals()
         return meta
+
+
+def _aborted(request: Request) -> bool:
+    return request.status == RequestStatus.FINISHED_ABORTED

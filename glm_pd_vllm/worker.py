@@ -3,6 +3,9 @@
 Loads run on the decode service's thread between engine steps (the GLM-5 CUDA attention path never calls
 ``wait_for_layer_load``), so a request is scheduled only after its whole suffix has landed and prefill
 has confirmed its blocks were held throughout.
+Streamed prefill: ``wait_for_save`` (vLLM calls it once the step's forward, and the drafter's, are queued)
+announces what the step wrote, behind a CUDA event recorded there: decode reads none of it before the GPU
+has finished writing it.
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ class GlmPdWorker:
                 port=self.port + self.tp_rank,
                 lease_s=self.config.lease_s,
                 timeout_s=self.config.timeout_s,
+                streamed=self.config.streamed,
             )
         if self.is_consumer:
             self.decode = DecodeService(
@@ -146,10 +150,22 @@ class GlmPdWorker:
 
     def start_load_kv(self, meta: GlmPdMetadata) -> None:
         ready = self._ready_event() if meta.grants else None
-        for lease_id, (request_id, blocks) in meta.grants.items():
+        if self.prefill is not None:
+            for transfer_id, num_tokens in meta.opened.items():
+                self.prefill.open_stream(transfer_id, num_tokens)
+            for transfer_id, why in meta.ended.items():
+                self.prefill.end_stream(transfer_id, why)
+        for lease_id, grant in meta.grants.items():
             if self.prefill is not None:
-                self._lease_requests[lease_id] = request_id
-                self.prefill.grant(lease_id, block_pages(blocks, self.pages_per_block), ready=ready)
+                self._lease_requests[lease_id] = grant.request_id
+                pages = block_pages(grant.blocks, self.pages_per_block)
+                if grant.transfer_id:
+                    self.prefill.grant_stream(lease_id, grant.transfer_id, pages, grant.num_tokens, ready=ready)
+                else:
+                    self.prefill.grant(lease_id, pages, ready=ready)
+        for request_id in meta.cancels:
+            if self.decode is not None:
+                self.decode.cancel(request_id)
         for renewal in meta.renewals:
             if self.decode is not None:
                 sharding = Sharding(token_shards=renewal.token_shards, interleave=renewal.interleave)
@@ -177,9 +193,18 @@ class GlmPdWorker:
                     prefix_tokens=load.prefix_tokens,
                     read=load.read,
                     remote_request_id=load.remote_request_id,
+                    stream_id=load.stream_id,
                     submitted_at=load.queued_at,
                 )
             )
+
+    def wait_for_save(self, meta: GlmPdMetadata) -> None:
+        """Announce what this step wrote of each streamed request, once the GPU has written it."""
+        if self.prefill is None or not meta.progress:
+            return
+        ready = self._ready_event()
+        for transfer_id, (blocks, written) in meta.progress.items():
+            self.prefill.advance_stream(transfer_id, block_pages(blocks, self.pages_per_block), written, ready=ready)
 
     def _ready_event(self) -> _OnDevice | None:
         """Marks the GPU work queued so far on this device's stream: vLLM calls ``start_load_kv`` after the

@@ -2,7 +2,11 @@
 
 Per request it sends the prefill leg (``kv_transfer_params: {"do_remote_decode": true}``, ``max_tokens 1``,
 ``return_token_ids``, not streamed), then the decode leg with prefill's ``kv_transfer_params`` and the prompt
-as prefill's token ids (so decode never re-tokenizes), and streams decode's answer back. Load is spread
+as prefill's token ids (so decode never re-tokenizes), and streams decode's answer back.
+With ``--prefill-kv`` (both engines run GlmPdConnector with ``"streamed": true``) it sends both legs at once: each
+carries a new transfer id, and decode's names the side channel of the prefill instance picked
+(``--prefill-kv``, one HOST:PORT per ``--prefill``: its ``side_channel_host`` and port), so decode reads the
+prompt's KV while prefill computes it. A failed prefill leg ends decode's (decode's load fails with it). Load is spread
 over several prefill and several decode instances (fewest requests in flight, ties in turn). Every upstream
 call is bounded; a bad upstream answer becomes an HTTP error that names the instance, never a hang.
 
@@ -15,10 +19,12 @@ Run: python pd_proxy.py --prefill http://p1:8100 [...] --decode http://d1:8200 [
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +33,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 
 logger = logging.getLogger("pd_proxy")
 
@@ -46,6 +54,7 @@ class UpstreamError(Exception):
 @dataclass
 class Instance:
     url: str
+    kv: tuple[str, int] | None = None  # a prefill's side channel (host, base port), for streamed requests
     in_flight: int = 0
     served: int = 0
     failures: int = 0
@@ -54,11 +63,13 @@ class Instance:
 class Pool:
     """Instances of one role; ``pick`` takes the one with the fewest requests in flight, ties in turn."""
 
-    def __init__(self, role: str, urls: list[str]) -> None:
+    def __init__(self, role: str, urls: list[str], kv: list[tuple[str, int]] | None = None) -> None:
         if not urls:
             raise ValueError(f"no {role} instances given")
+        if kv is not None and len(kv) != len(urls):
+            raise ValueError(f"{len(kv)} side-channel addresses for {len(urls)} {role} instances")
         self.role = role
-        self.instances = [Instance(u.rstrip("/")) for u in urls]
+        self.instances = [Instance(u.rstrip("/"), kv[i] if kv else None) for i, u in enumerate(urls)]
         self._turn = itertools.count()
 
     def pick(self) -> Instance:
@@ -76,9 +87,12 @@ def _error_text(resp: httpx.Response) -> str:
         return resp.text[:500]
 
 
-def _prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+def _prefill_body(body: dict[str, Any], chat: bool, transfer_id: str = "") -> dict[str, Any]:
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    out.update(max_tokens=1, stream=False, return_token_ids=True, kv_transfer_params={"do_remote_decode": True})
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if transfer_id:
+        params["glm_pd_transfer_id"] = transfer_id
+    out.update(max_tokens=1, stream=False, return_token_ids=True, kv_transfer_params=params)
     if chat and "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
@@ -95,9 +109,15 @@ def _prompt_token_ids(data: dict[str, Any], chat: bool) -> list[int]:
 
 
 def create_app(
-    prefill_urls: list[str], decode_urls: list[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    *,
+    timeout_s: float = 600.0,
+    connect_timeout_s: float = 5.0,
+    prefill_kv: list[tuple[str, int]] | None = None,
 ) -> FastAPI:
-    prefill, decode = Pool("prefill", prefill_urls), Pool("decode", decode_urls)
+    """The proxy; ``prefill_kv`` (each prefill's side channel) makes every request streamed."""
+    prefill, decode = Pool("prefill", prefill_urls, prefill_kv), Pool("decode", decode_urls)
     timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
 
@@ -137,6 +157,8 @@ def create_app(
             )
         if body.get("n", 1) != 1:
             return JSONResponse({"error": {"message": "n > 1 is not supported in PD mode", "type": "bad_request"}}, 400)
+        if prefill_kv is not None:
+            return await streamed(body, path, chat)
         try:
             p = prefill.pick()
             p.in_flight += 1
@@ -176,9 +198,57 @@ def create_app(
             return Response(resp.content, media_type="application/json")
         return StreamingResponse(relay(d, resp), media_type="text/event-stream")
 
-    async def relay(inst: Instance, resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def prefill_leg(p: Instance, path: str, body: dict[str, Any]) -> None:
+        """A streamed request's prefill leg: only its failure matters (decode computes every answer token)."""
+        p.in_flight += 1
+        try:
+            await call(prefill, p, path, body, stream=False)
+            p.served += 1
+        finally:
+            p.in_flight -= 1
+
+    async def streamed(body: dict[str, Any], path: str, chat: bool) -> Response:
+        """Both legs at once, one transfer id; a failed prefill leg ends decode's."""
+        transfer_id = uuid.uuid4().hex
+        p, d = prefill.pick(), decode.pick()
+        assert p.kv is not None
+        host, port = p.kv
+        params = {
+            "do_remote_prefill": True,
+            "glm_pd_protocol": PROTOCOL_VERSION,
+            "glm_pd_transfer_id": transfer_id,
+            "remote_host": host,
+            "remote_port": port,
+        }
+        first = asyncio.create_task(prefill_leg(p, path, _prefill_body(body, chat, transfer_id)))
+        d.in_flight += 1
+        try:
+            resp = await call(decode, d, path, {**body, "kv_transfer_params": params}, stream=bool(body.get("stream")))
+        except UpstreamError as exc:
+            d.in_flight -= 1
+            first.cancel()  # the prefill leg's work is for nobody now
+            logger.warning("%s", exc.message)
+            return exc.response()
+        if not body.get("stream"):
+            d.in_flight -= 1
+            try:
+                await first
+            except UpstreamError as exc:
+                logger.warning("%s", exc.message)
+                return exc.response()
+            d.served += 1
+            return Response(resp.content, media_type="application/json")
+        return StreamingResponse(relay(d, resp, first), media_type="text/event-stream")
+
+    async def relay(inst: Instance, resp: httpx.Response, first: asyncio.Task | None = None) -> AsyncIterator[bytes]:
         try:
             async for chunk in resp.aiter_raw():
+                if first is not None and first.done() and first.exception() is not None:
+                    exc = first.exception()
+                    message = exc.message if isinstance(exc, UpstreamError) else repr(exc)
+                    error = {"error": {"message": message, "type": "upstream_error"}}
+                    yield f"data: {json.dumps(error)}\n\n".encode()
+                    return
                 yield chunk
             inst.served += 1
         except httpx.HTTPError as exc:
@@ -187,6 +257,8 @@ def create_app(
             yield f"data: {json.dumps(error)}\n\n".encode()
         finally:
             inst.in_flight -= 1
+            if first is not None and not first.done():
+                first.cancel()  # the client went: prefill's leg is dropped too (prefill aborts the request)
             await resp.aclose()
 
     @app.post("/v1/completions")
@@ -211,13 +283,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="bound on each upstream read")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--prefill-kv",
+        nargs="+",
+        metavar="HOST:PORT",
+        help="streamed mode: each --prefill instance's glm-pd side channel (side_channel_host and its base port)",
+    )
+    args = parser.parse_args(argv)
+    if args.prefill_kv is not None:
+        if len(args.prefill_kv) != len(args.prefill):
+            parser.error(f"--prefill-kv names {len(args.prefill_kv)} addresses for {len(args.prefill)} --prefill")
+        args.prefill_kv = [_address(a, parser) for a in args.prefill_kv]
+    return args
+
+
+def _address(text: str, parser: argparse.ArgumentParser) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        parser.error(f"--prefill-kv {text!r} is not HOST:PORT")
+    return host, int(port)
 
 
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO)
-    uvicorn.run(create_app(args.prefill, args.decode, timeout_s=args.timeout_s), host=args.host, port=args.port)
+    app = create_app(args.prefill, args.decode, timeout_s=args.timeout_s, prefill_kv=args.prefill_kv)
+    uvicorn.run(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     model = make_model(tmp_path_factory.mktemp("tiny-mla"))
     logs = tmp_path_factory.mktemp("engine-logs")
     reference = _reference_runs(model, logs)
-    producer = glm_pd_config("kv_producer", side_channel_host="127.0.0.1", side_channel_port=free_port())
+    kv = ("127.0.0.1", free_port())  # prefill's side channel: a streamed request's decode leg names it
+    producer = glm_pd_config("kv_producer", side_channel_host=kv[0], side_channel_port=kv[1], streamed=True)
     servers = {
         "prefill": Server(
             "prefill", model, logs, "--kv-transfer-config", producer, env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]}
@@ -59,7 +60,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             model,
             logs,
             "--kv-transfer-config",
-            glm_pd_config("kv_consumer"),
+            glm_pd_config("kv_consumer", streamed=True),
             "--enable-prompt-tokens-details",
             env={"VLLM_CPU_OMP_THREADS_BIND": CORE["decode"]},
         ),
@@ -69,7 +70,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         for server in servers.values():
             server.wait_ready(deadline)
         configured = {name: server.configured() for name, server in servers.items()}
-        yield {**servers, "reference": reference, "model": str(model), "configured": configured, "logs": logs}
+        yield {
+            **servers,
+            "reference": reference,
+            "model": str(model),
+            "configured": configured,
+            "logs": logs,
+            "prefill_kv": kv,
+        }
     finally:
         for server in servers.values():
             server.stop()

@@ -11,15 +11,19 @@ which makes every server see a CPU without AMX). Each server's worker has a core
 import pytest
 
 from tests.support.scenarios import INSIDE_BLOCK, MAX_TOKENS, SHARED, SHARED_PREFIX, SINGLE
-from tests.support.vllm_servers import NO_AMX, disaggregated
+from tests.support.vllm_servers import NO_AMX, disaggregated, streamed
 
 ROW = 1152  # bf16 latent row: (512 + 64) x 2 B
 LAYERS = 3
 
 
-def handoff(engines, prompt: list[int]) -> tuple[list[int], dict, dict]:
+def handoff(engines, prompt: list[int], stream: bool = False) -> tuple[list[int], dict, dict]:
+    """One request through the router's pull flow, or its streamed one (both legs at once)."""
     offset = engines["decode"].log_size()
-    out = disaggregated(engines["prefill"], engines["decode"], engines["model"], prompt)
+    if stream:
+        out = streamed(engines["prefill"], engines["prefill_kv"], engines["decode"], engines["model"], prompt)
+    else:
+        out = disaggregated(engines["prefill"], engines["decode"], engines["model"], prompt)
     return out["choices"][0]["token_ids"], out["usage"], engines["decode"].transfer_metrics(offset, loads=1)
 
 
@@ -38,10 +42,12 @@ def test_both_engines_report_what_they_configured(engines) -> None:
         assert decode["block_size"] == 16 and decode["prefix_caching"] is False
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["pull", "streamed"])
 @pytest.mark.parametrize("n", sorted(SINGLE))
-def test_decode_output_equals_a_plain_run(engines, n: int) -> None:
+def test_decode_output_equals_a_plain_run(engines, n: int, stream: bool) -> None:
+    """Both modes on the same servers (each runs with ``streamed`` on; the router picks the mode per request)."""
     reference = engines["reference"][f"single-{n}"]
-    tokens, _, metrics = handoff(engines, SINGLE[n])
+    tokens, _, metrics = handoff(engines, SINGLE[n], stream)
     assert tokens == reference, f"glm-pd {tokens} vs vLLM NixlConnector {reference}"
     assert metrics["loads_ok"] == 1 and metrics.get("loads_failed", 0) == 0
     assert metrics["bytes_main"] == moved(engines, n) and metrics["bytes_indexer"] == 0  # dense MLA: no indexer
@@ -57,10 +63,11 @@ def test_a_prompt_inside_one_block_loads_and_decodes(engines) -> None:
 def test_decode_prefix_hit_moves_only_the_suffix(engines) -> None:
     """With prefix caching on decode, the second prompt hits the 128 tokens the first one left there, and only
     the rest travels; where the engine turned prefix caching off (MLA without AMX), nothing is held and all of
-    it travels. Either way the tokens equal the reference pair's."""
+    it travels. Either way the tokens equal the reference pair's. The second prompt streams: decode's hit is
+    known at admission, before prefill has computed anything."""
     hit_expected = SHARED_PREFIX if engines["configured"]["decode"]["prefix_caching"] else 0
     for i, prompt in enumerate(SHARED):
-        tokens, usage, metrics = handoff(engines, prompt)
+        tokens, usage, metrics = handoff(engines, prompt, stream=i > 0)
         assert tokens == engines["reference"][f"shared-{i}"]
         hit = hit_expected if i else 0
         assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == hit  # decode's own hit

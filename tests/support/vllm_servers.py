@@ -9,13 +9,16 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import psutil
 
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from tests.support.ports import free_port
 from tests.support.scenarios import MAX_TOKENS
 
@@ -200,6 +203,41 @@ def prefill_leg(prefill: Server, body: dict) -> dict:
     params = first["kv_transfer_params"]
     assert params and params["do_remote_prefill"] and first["choices"][0]["prompt_token_ids"] == body["prompt"]
     return params
+
+
+def streamed(
+    prefill: Server,
+    kv: tuple[str, int],
+    decode: Server,
+    model: str,
+    prompt: list[int],
+    max_tokens: int = MAX_TOKENS,
+    **sampling: object,
+) -> dict:
+    """The streamed router flow (recipes/router/pd_proxy.py --prefill-kv): both legs at once under one transfer
+    id, decode's naming prefill's side channel ``kv``; decode's whole completion, once prefill's leg answered."""
+    body = request(model, prompt, max_tokens, **sampling)
+    transfer = uuid.uuid4().hex
+    first: dict = {}
+    leg = threading.Thread(
+        target=lambda: first.update(
+            prefill.complete(
+                {
+                    **body,
+                    "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True, "glm_pd_transfer_id": transfer},
+                }
+            )
+        )
+    )
+    leg.start()
+    params = {"do_remote_prefill": True, "glm_pd_protocol": PROTOCOL_VERSION, "glm_pd_transfer_id": transfer,
+              "remote_host": kv[0], "remote_port": kv[1]}  # fmt: skip
+    try:
+        return decode.complete({**body, "kv_transfer_params": params})
+    finally:
+        leg.join(120)
+        assert first.get("choices"), f"prefill's leg did not answer: {first}"
 
 
 def disaggregated(

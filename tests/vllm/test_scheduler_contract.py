@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from vllm.v1.request import RequestStatus
 
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from tests.support.ports import free_port_range
-from tests.support.vllm_engine import Engine
+from tests.support.vllm_engine import Engine, _mismatched
 
 PROMPT = 300  # tokens: five blocks of 64, ten of 32, nineteen of 16
 STREAM = 40  # tokens a healthy neighbour generates
@@ -250,4 +252,39 @@ def test_a_context_parallel_side_loads_and_decodes(pair, prefill_job, decode_job
     assert track.checked == set(range(decode_job["tp"])) and track.mismatched == [], track
     assert track.finish == "length" and len(track.tokens) == STREAM
     assert decode.reported_failed == set() and decode.reported_recving == ["r"]
+    settled(prefill, decode)
+
+
+def test_a_streamed_request_is_read_while_prefill_computes_it(pair) -> None:
+    """Streamed mode inside vLLM's own schedulers. Prefill runs chunked prefill (64 tokens a step: five steps for
+    300 tokens); decode admitted the request at once, from the transfer id and prefill's address alone. After
+    each prefill step, decode's own caches already hold every whole block vLLM's prefill scheduler had computed
+    by then (read from decode's memory, against the request's content); then the request decodes, its first
+    forward checking every block."""
+    streamed = {"extra": {"streamed": True}}
+    prefill, decode = pair(32 * 64, {**streamed, "max_num_batched_tokens": 64}, **streamed)
+    port = prefill.connector._scheduler.port
+    prompt, segments = list(range(5000, 5000 + PROMPT)), [(PROMPT, 41)]
+    prefill.add("S", prompt, segments, {"do_remote_decode": True, "glm_pd_transfer_id": "tx-S"})
+    params = {"do_remote_prefill": True, "glm_pd_protocol": PROTOCOL_VERSION, "glm_pd_transfer_id": "tx-S",
+              "remote_host": "127.0.0.1", "remote_port": port}  # fmt: skip
+    decode.add("S", prompt, segments, params, max_tokens=3)
+    decode.run(lambda: decode.scheduler.requests["S"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    table = decode.scheduler.kv_cache_manager.get_block_ids("S")[0]
+    held = []
+    while prefill.tracked["S"].finish is None:
+        prefill.step()
+        request = prefill.scheduler.requests.get("S")
+        if request is None or prefill.tracked["S"].finish is not None:
+            break
+        whole = request.num_computed_tokens // decode.block_size * decode.block_size
+        deadline = time.monotonic() + 10
+        while _mismatched(decode.caches[0], table, segments, whole) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _mismatched(decode.caches[0], table, segments, whole), f"decode lacks tokens < {whole}"
+        held.append(whole)
+    assert len(held) >= 3 and held == sorted(held) and held[-1] < PROMPT, held
+    both(prefill, decode, lambda: decode.tracked["S"].finish is not None)
+    s = decode.tracked["S"]
+    assert s.finish == "length" and s.mismatched == [], s
     settled(prefill, decode)

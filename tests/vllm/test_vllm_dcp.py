@@ -335,4 +335,4 @@ def test_a_request_id_used_again_is_a_new_lease(layouts) -> None:
         leases.append(params["remote_request_id"])
     grants = sched.build_connector_meta(SchedulerOutput.make_empty()).grants
     assert leases[0] != leases[1] and sorted(grants) == sorted(leases)
-    assert {request_id for request_id, _ in grants.values()} == {"req-1"}
+    assert {grant.request_id for grant in grants.values()} == {"req-1"}
