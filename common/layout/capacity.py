@@ -1,7 +1,5 @@
-"""The capacity account of one request: bytes, pages, regions, runs, link time and how much of it is exposed.
-
-Decode schedules a request only after its whole load has landed, so today the whole time on the link is
-exposed; the last layer's transfer is only the bound a streamed (layer-by-layer) handoff would reach.
+"""The capacity account of one request: bytes, pages, regions, runs, link time and how much of it is exposed,
+pulled after prefill or streamed chunk by chunk during it (``exposure``).
 
 Run counts come from real plans over synthetic address spaces (a contiguous allocator and one where no
 two pages are adjacent on both sides), so the account and the transfer path share one code path.
@@ -14,13 +12,14 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from glm_pd_common.layout.exposure import DEFAULT_CHUNK_TOKENS, exposure
 from glm_pd_common.layout.formats import IndexerFormat, MainRowFormat
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for, suffix_page_span
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.regions import Region, build_regions
 from glm_pd_common.layout.shards import REPLICATED, Sharding, token_shard
-from glm_pd_common.layout.tp import SideLayout, Source, sources
+from glm_pd_common.layout.tp import SideLayout, Source, release_set, sources
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,9 @@ class AccountInputs:
     nics_per_rank: int = 1
     prefill_sharding: Sharding = REPLICATED
     decode_sharding: Sharding = REPLICATED
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS["h200"]
+    prefill_tokens_per_s: float | None = None  # unknown: no streamed figure, only its floor
+    rtt_s: float | None = None  # one side-channel round trip; unknown: counted, not timed
 
     def layouts(self) -> tuple[SideLayout, SideLayout]:
         return (
@@ -119,6 +121,7 @@ class Traffic:
     runs: dict[str, int]  # the busiest decode rank's runs, per allocator
     sources: dict[int, list[int]]  # decode rank -> the prefill ranks it reads
     first_rank: list[TransferPlan]  # decode rank 0's pieces, one per source (contiguous allocator)
+    round_trips: int  # the busiest decode rank's, after prefill answers: a claim per source, a release per holder
 
 
 def traffic(inputs: AccountInputs) -> Traffic:
@@ -151,7 +154,8 @@ def traffic(inputs: AccountInputs) -> Traffic:
         received[d] = got
         runs = {k: max(runs[k], rank_runs[k]) for k in runs}
     reads = {d: [s.rank for s in sources(d, prefill, decode)] for d in range(inputs.decode_tp)}
-    return Traffic(received, sent, runs, reads, first_rank)
+    trips = max(len(reads[d]) + len(release_set(d, prefill, decode)) for d in range(inputs.decode_tp))
+    return Traffic(received, sent, runs, reads, first_rank, trips)
 
 
 def account(inputs: AccountInputs) -> dict[str, object]:
@@ -170,8 +174,6 @@ def account(inputs: AccountInputs) -> dict[str, object]:
     link_bytes = max(moved_total, max(moves.sent.values()))  # each rank has its own NICs; the busiest one bounds
     layer_main = next(e.num_bytes for e in entries if e.src.kind == "main")
     layer_index = next((e.num_bytes for e in entries if e.src.kind == "indexer"), 0)
-    last_layer = max(e.src.layer_id for e in entries)  # posted last: even a streamed handoff cannot hide it
-    tail = sum(e.num_bytes for e in entries if e.src.layer_id == last_layer)
     return {
         "model_type": g.model_type,
         "bytes_per_token": {
@@ -207,7 +209,14 @@ def account(inputs: AccountInputs) -> dict[str, object]:
         "link_gbps": inputs.link_gbps,
         "nics_per_rank": inputs.nics_per_rank,
         "link_seconds": link_bytes / rank_bytes_per_s,
-        "exposed_seconds": link_bytes / rank_bytes_per_s,  # decode waits for the whole load
         "per_layer_seconds": {"main": layer_main / rank_bytes_per_s, "indexer": layer_index / rank_bytes_per_s},
-        "streamed_tail_bound_seconds": tail / rank_bytes_per_s,
+        "exposed": exposure(
+            link_bytes=link_bytes,
+            suffix_tokens=n - inputs.prefix_tokens,
+            rank_bytes_per_s=rank_bytes_per_s,
+            chunk_tokens=inputs.chunk_tokens,
+            prefill_tokens_per_s=inputs.prefill_tokens_per_s,
+            round_trips=moves.round_trips,
+            rtt_s=inputs.rtt_s,
+        ),
     }

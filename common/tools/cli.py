@@ -101,12 +101,28 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     cp.add_argument("--decode-dcp", type=int, default=1, help="decode's token shards (vLLM -dcp)")
     cp.add_argument("--prefill-interleave", type=int, default=1, help="prefill's tokens per shard turn (1)")
     cp.add_argument("--decode-interleave", type=int, default=1, help="decode's tokens per shard turn (1)")
+    ex = p.add_argument_group(
+        "exposed handoff time: what the time to first token waits for",
+        "pull: the busiest rank's whole link time, as decode reads after prefill answers. streamed: each prefill "
+        "chunk's KV moves while prefill computes the next, so the last chunk's share stays exposed, plus any "
+        "backlog a link slower than prefill leaves. Assumes prefill computes only the suffix decode lacks, at a "
+        "constant rate (really late chunks run slower, which only helps streaming), and a chunk's bytes "
+        "pro rata to its tokens. Both modes add their side-channel round trips (a claim per source, a release "
+        "per copy), timed with --rtt-ms.",
+    )
+    ex.add_argument("--chunk-tokens", type=token_count,
+                    help="prefill's chunk (vLLM --max-num-batched-tokens, SGLang --chunked-prefill-size); default: "
+                    "both engines' default for --gpu (h100/h200 8192, b200 16384)")  # fmt: skip
+    ex.add_argument("--prefill-tokens-per-s", type=float,
+                    help="prefill throughput on one request; without it the streamed figure is unknown")  # fmt: skip
+    ex.add_argument("--rtt-ms", type=float, help="one side-channel round trip; without it they are counted, untimed")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from glm_pd_common.layout.capacity import AccountInputs, account
+    from glm_pd_common.layout.exposure import DEFAULT_CHUNK_TOKENS
     from glm_pd_common.layout.fingerprint import PeerShape, require_convertible
     from glm_pd_common.tools.report import print_account
 
@@ -114,6 +130,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise GlmPdError("--link-gbps and --nics must be positive")
     if args.tokens <= 0:
         raise GlmPdError("--tokens must be positive")
+    if any(v is not None and v <= 0 for v in (args.chunk_tokens, args.prefill_tokens_per_s)):
+        raise GlmPdError("--chunk-tokens and --prefill-tokens-per-s must be positive")
+    if args.rtt_ms is not None and args.rtt_ms < 0:
+        raise GlmPdError("--rtt-ms must not be negative")
     decode_pt = args.decode_page_tokens or args.page_tokens
     prefill_sharding = Sharding(args.prefill_cp, args.prefill_interleave, args.prefill_layer_split)
     decode_sharding = Sharding(args.decode_dcp, args.decode_interleave)
@@ -137,6 +157,9 @@ def _run_plan(args: argparse.Namespace) -> int:
             nics_per_rank=args.nics,
             prefill_sharding=prefill_sharding,
             decode_sharding=decode_sharding,
+            chunk_tokens=args.chunk_tokens or DEFAULT_CHUNK_TOKENS[args.gpu],
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            rtt_s=None if args.rtt_ms is None else args.rtt_ms / 1e3,
         )
     )
     result["engine"] = args.engine

@@ -81,15 +81,41 @@ def print_account(a: dict) -> None:
             f"main {human_seconds(a['per_layer_seconds']['main'])}, "
             f"indexer {human_seconds(a['per_layer_seconds']['indexer'])}",
         ),
-        ("exposed to decode", f"{human_seconds(a['exposed_seconds'])} (all of it: decode waits for the whole load)"),
-        (
-            "bound if streamed",
-            f"{human_seconds(a['streamed_tail_bound_seconds'])} (last layer + its indexer, if layers streamed; "
-            "glm-pd does not stream)",
-        ),
     ]
+    rows += exposure_rows(a["exposed"])
     rows += hbm_rows(a.get("hbm"))
     print_table(rows, "glm-pd plan: the handoff account of one request")
+
+
+def exposure_rows(e: dict) -> list[tuple[str, str]]:
+    """Each mode's exposed time; untimed round trips are named beside the seconds so none reads as the whole."""
+    st, trips = e["streamed"], e["round_trips"]
+    untimed = f" + {trips} round trips" if e["rtt_seconds"] is None else ""
+    timed = "untimed (pass --rtt-ms)" if e["rtt_seconds"] is None else f"x {human_seconds(e['rtt_seconds'])}"
+    if st["seconds"] is None:
+        streamed = (
+            f"unknown without --prefill-tokens-per-s; at least {human_seconds(st['last_chunk_seconds'])}{untimed} "
+            "(the last chunk's share)"
+        )
+    else:
+        streamed = (
+            f"{human_seconds(st['seconds'])}{untimed} (last chunk {human_seconds(st['last_chunk_seconds'])} + "
+            f"backlog {human_seconds(st['backlog_seconds'])}; prefill {human_seconds(st['prefill_seconds'])} at "
+            f"{st['prefill_tokens_per_s']:,.0f} tokens/s)"
+        )
+    return [
+        (
+            "prefill chunks",
+            f"{st['chunks']:,} of {st['chunk_tokens']:,} tokens; the last ({st['last_chunk_tokens']:,} tokens) "
+            f"moves {human_bytes(st['last_chunk_bytes'])} on the busiest link",
+        ),
+        ("side-channel round trips", f"{trips} after prefill answers, either mode (claims, releases): {timed}"),
+        (
+            "exposed, pull",
+            f"{human_seconds(e['pull']['seconds'])}{untimed} (all of the link time: decode reads after prefill)",
+        ),
+        ("exposed, streamed", streamed),
+    ]
 
 
 def hbm_rows(hbm: dict | None) -> list[tuple[str, str]]:

@@ -41,24 +41,24 @@ def test_prefix_hit_shrinks_what_moves(capsys):
 def test_human_output_runs(capsys):
     assert main(["plan", "--tokens", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "53,940 B" in out and "exposed to decode" in out
+    assert "53,940 B" in out and "exposed, pull" in out and "exposed, streamed" in out
 
 
-def test_the_whole_load_is_exposed_and_the_tail_is_only_a_streamed_bound(capsys):
+def test_pull_exposes_the_whole_load(capsys):
     a = run_json(capsys, "--tokens", "1M", "--link-gbps", "400")
-    rate = 400e9 / 8
-    assert a["exposed_seconds"] == pytest.approx(a["bytes_moved_per_rank"]["total"] / rate)
-    # posted last: the MTP layer, one 656 B main row and one 132 B indexer row per token (FACTS.md §2)
-    assert a["streamed_tail_bound_seconds"] == pytest.approx((656 + 132) * M / rate)
-    assert "exposed_tail_seconds" not in a
+    # 54,728 B/token with MTP (FACTS.md §2) x 2^20 tokens = 57,386,467,328 B at 400 Gbit/s = 50e9 B/s
+    assert a["exposed"]["pull"]["seconds"] == pytest.approx(57_386_467_328 / 50e9)
+    assert "exposed_seconds" not in a and "streamed_tail_bound_seconds" not in a
 
 
-def test_human_output_prints_the_link_time_as_exposed(capsys):
+def test_human_output_prints_the_link_time_as_exposed_when_pulled(capsys):
     assert main(["plan", "--tokens", "1M"]) == 0
     rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in capsys.readouterr().out.splitlines()[1:])
-    assert rows["exposed to decode"].split(" (")[0] == rows["time on the link"] == "1.148 s"
-    assert rows["bound if streamed"].startswith("16.53 ms") and "does not stream" in rows["bound if streamed"]
-    assert "exposed tail" not in rows
+    assert rows["time on the link"] == "1.148 s"
+    assert rows["exposed, pull"].startswith("1.148 s + 2 round trips (")
+    # 128 chunks of 8,192 tokens; the last moves 54,728 x 8,192 = 448,331,776 B: 8.97 ms at 50e9 B/s
+    assert rows["exposed, streamed"].startswith("unknown without --prefill-tokens-per-s; at least 8.97 ms")
+    assert rows["prefill chunks"].startswith("128 of 8,192 tokens; the last (8,192 tokens) moves 448.33 MB")
 
 
 @pytest.mark.parametrize(
@@ -69,6 +69,9 @@ def test_human_output_prints_the_link_time_as_exposed(capsys):
         (["--preset", "nope"], "unknown preset"),
         (["--kv-cache-dtype", "fp16"], "fp16"),
         (["--decode-tp", "3"], "tp_size"),
+        (["--chunk-tokens", "0"], "--chunk-tokens"),
+        (["--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s"),
+        (["--rtt-ms", "-1"], "--rtt-ms"),
     ],
 )
 def test_bad_arguments_are_one_line_exit_2(capsys, args, needle):

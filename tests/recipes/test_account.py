@@ -22,14 +22,15 @@ def test_pasted_plan_outputs_are_current() -> None:
         assert out.getvalue() == pasted, command
 
 
-def test_the_guide_calls_the_whole_load_exposed() -> None:
-    """Decode schedules a request after its whole load: the guide may not present the last layer as exposed."""
+def test_the_guide_quotes_both_modes_exposed_times() -> None:
+    """Pulled, the whole load is exposed; streamed, at least the last chunk of the recipe's 16,384-token chunks."""
     text = README.read_text()
     assert "exposed tail" not in text
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        argv = ["plan", "--json", "--tokens", "1M", "--prefill-tp", "8", "--decode-tp", "8"]
+        argv = ["plan", "--json", "--tokens", "1M", "--prefill-tp", "8", "--decode-tp", "8", "--chunk-tokens", "16K"]
         assert main([*argv, "--prefill-cp", "8", "--decode-dcp", "8"]) == 0
-    account = json.loads(out.getvalue())
-    assert f"waits {account['exposed_seconds']:.2f} s for its KV" in text
-    assert f"The {account['streamed_tail_bound_seconds'] * 1e3:.1f} ms is only the" in text
+    exposed = json.loads(out.getvalue())["exposed"]
+    assert f"waits {exposed['pull']['seconds']:.2f} s for its KV" in text
+    assert f"at least the last chunk's {exposed['streamed']['last_chunk_seconds'] * 1e3:.2f} ms" in text
+    assert "--max-num-batched-tokens 16384" in (README.parent / "vllm" / "prefill.sh").read_text()
