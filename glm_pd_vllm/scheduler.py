@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
@@ -246,15 +246,24 @@ class GlmPdScheduler:
         if not self.is_producer or not params or not params.get("do_remote_decode"):
             return False, None
         stream = self._streaming.pop(request.request_id, None)
+        params_out = self._lease(request, block_ids, stream)
+        if params_out is None:
+            if stream is not None and not stream.broken:  # decode's subscription must not wait for a lease
+                self._meta.ended[stream.transfer_id] = f"prefill leased no blocks ({request.status.name})"
+            return False, None
+        return True, params_out
+
+    def _lease(
+        self, request: Request, block_ids: tuple[list[int], ...], stream: _Streaming | None
+    ) -> dict[str, Any] | None:
+        """Lease a finished request's blocks for decode; its kv_transfer_params, or None: free them now."""
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            if stream is not None and not stream.broken:
-                self._meta.ended[stream.transfer_id] = f"prefill's request ended {request.status.name}"
-            return False, None  # aborted or errored: nothing for decode, free now
+            return None  # aborted or errored: nothing for decode
         if stream is not None and stream.broken:
-            return False, None  # its transfer already ended: decode reads none of these blocks
+            return None  # its transfer already ended: decode reads none of these blocks
         blocks = list(block_ids[0]) if block_ids else []
         if not blocks:
-            return False, None
+            return None
         # The lease is named per grant: an id the front end reuses (a router redoing prefill after a failed load)
         # is a new lease, which a claim can wait for, never the ended one a late claim must be refused.
         lease_id = f"{request.request_id}#{next(self._lease_seq)}"
@@ -273,12 +282,12 @@ class GlmPdScheduler:
             )
         except ConfigError as exc:
             logger.error("GlmPdConnector: request %s: no kv_transfer_params for decode: %s", request.request_id, exc)
-            return False, None
+            return None
         grant = Grant(request.request_id, blocks)
         if stream is not None:
             grant = Grant(request.request_id, blocks, stream.transfer_id, stream.num_tokens)
         self._meta.grants[lease_id] = grant
-        return True, out.encode()
+        return out.encode()
 
     def _open_stream(self, request: Request, params: dict) -> None:
         if "glm_pd_transfer_id" not in params:

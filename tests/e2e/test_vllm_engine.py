@@ -63,12 +63,21 @@ def test_a_prompt_inside_one_block_loads_and_decodes(engines) -> None:
 def test_decode_prefix_hit_moves_only_the_suffix(engines) -> None:
     """With prefix caching on decode, the second prompt hits the 128 tokens the first one left there, and only
     the rest travels; where the engine turned prefix caching off (MLA without AMX), nothing is held and all of
-    it travels. Either way the tokens equal the reference pair's. The second prompt streams: decode's hit is
-    known at admission, before prefill has computed anything."""
+    it travels. Either way the tokens equal the reference pair's. Then the second prompt again, streamed: decode
+    holds all its whole blocks (or, without prefix caching, none), and only the rest travels while prefill
+    computes. A streamed request's usage is not decode's own hit: vLLM reports prefill's hits where prefill's
+    params carry them (``remote_prefill_cached_tokens``, pull), else decode's whole prompt (loaded tokens count
+    as computed), so the streamed run is checked by the bytes moved."""
     hit_expected = SHARED_PREFIX if engines["configured"]["decode"]["prefix_caching"] else 0
     for i, prompt in enumerate(SHARED):
-        tokens, usage, metrics = handoff(engines, prompt, stream=i > 0)
+        tokens, usage, metrics = handoff(engines, prompt)
         assert tokens == engines["reference"][f"shared-{i}"]
         hit = hit_expected if i else 0
         assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == hit  # decode's own hit
         assert metrics["bytes_main"] == moved(engines, len(prompt), hit)  # only the suffix travelled
+    again = SHARED[-1]
+    block = engines["configured"]["decode"]["block_size"]
+    hit = (len(again) - 1) // block * block if engines["configured"]["decode"]["prefix_caching"] else 0
+    tokens, _, metrics = handoff(engines, again, stream=True)
+    assert tokens == engines["reference"][f"shared-{len(SHARED) - 1}"]
+    assert metrics["bytes_main"] == moved(engines, len(again), hit)

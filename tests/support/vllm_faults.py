@@ -18,12 +18,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from tests.support.ports import free_port
 from tests.support.scenarios import MAX_TOKENS, ids
 from tests.support.vllm_servers import CORE, START_S, Server, disaggregated, glm_pd_config, prefill_leg, request
@@ -33,6 +35,7 @@ T = TypeVar("T")
 LEASE_S = 4.0  # prefill holds a finished request's blocks this long unless decode renews the lease
 TIMEOUT_S = 15.0  # decode's bound on each answer it awaits: a killed prefill fails its load within it
 KV_CACHE_TOKENS = 4096  # decode's cache: two long streams leave no room for a third long prompt
+CHUNK_TOKENS = 128  # the fault prefill's chunked prefill: a 1950-token prompt takes 16 steps
 TOKEN_BYTES = 3 * 1152  # the tiny model's KV per token: 3 layers x one bf16 latent row (512 + 64) x 2 B
 PROXY = Path(__file__).parents[2] / "recipes" / "router" / "pd_proxy.py"
 
@@ -150,6 +153,27 @@ def proxy(prefill: Server, decode: Server, log_dir: Path) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+def stream_legs(pair: FaultPair, model: str, prompt: list[int]) -> tuple[Stream, threading.Thread, dict]:
+    """A streamed request on the fault pair, as pd_proxy --prefill-kv sends it: decode's leg (a ``Stream``) and
+    prefill's (on a thread; its answer lands in the dict) at once, under one transfer id."""
+    body = request(model, prompt, ignore_eos=True)
+    transfer = uuid.uuid4().hex
+    params = {"do_remote_prefill": True, "glm_pd_protocol": PROTOCOL_VERSION, "glm_pd_transfer_id": transfer,
+              "remote_host": pair.kv[0], "remote_port": pair.kv[1]}  # fmt: skip
+    answer: dict = {}
+
+    def prefill_leg() -> None:
+        leg = {"do_remote_decode": True, "glm_pd_transfer_id": transfer}
+        try:
+            answer.update(pair.prefill.complete({**body, "max_tokens": 1, "kv_transfer_params": leg}))
+        except (OSError, http.client.HTTPException, ValueError) as exc:  # a killed prefill
+            answer["error"] = repr(exc)
+
+    leg = threading.Thread(target=prefill_leg, daemon=True)
+    leg.start()
+    return Stream(pair.decode.url, {**body, "kv_transfer_params": params}), leg, answer
+
+
 @contextmanager
 def frozen_mid_load(
     prefill: Server, decode: Server, model: str, prompt: list[int], fresh: list[int], release: Callable[[], None]
@@ -191,11 +215,14 @@ class FaultPair:
     def _start(self, role: str) -> Server:
         self.starts[role] += 1
         name = f"fault-{role}-{self.starts[role]}"
-        timing = {"lease_s": LEASE_S, "timeout_s": TIMEOUT_S}
+        timing = {"lease_s": LEASE_S, "timeout_s": TIMEOUT_S, "streamed": True}
         if role == "prefill":
-            side = {"side_channel_host": "127.0.0.1", "side_channel_port": free_port()}
+            self.kv = ("127.0.0.1", free_port())  # its side channel: a streamed request's decode leg names it
+            side = {"side_channel_host": self.kv[0], "side_channel_port": self.kv[1]}
             config = glm_pd_config("kv_producer", **side, **timing)
+            # chunked prefill: a long prompt is computed (and streamed) over many steps
             return Server(name, self.model, self.log_dir, "--kv-transfer-config", config,
+                          "--max-num-batched-tokens", str(CHUNK_TOKENS),
                           env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]})  # fmt: skip
         config = glm_pd_config("kv_consumer", **timing)
         return Server(name, self.model, self.log_dir, "--kv-transfer-config", config, "--enable-prompt-tokens-details",
