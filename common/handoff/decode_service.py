@@ -1,4 +1,4 @@
-"""The decode side of a handoff, engine-free: handshake, plan, claim, layer-by-layer pull, verify, release.
+"""The decode side of a handoff, engine-free: handshake, plan, claim, pull (or streamed reads), verify, release.
 
 Loads run on service threads, never on the engine's step. Each prefill engine gets a lane (a thread) of its
 own, up to ``LANES``, and its loads run there in order, so one hung or slow prefill delays only the loads
@@ -473,13 +473,17 @@ class DecodeService:
         return self._ask(peer, claim, job.lease_id, (protocol.Claimed,))
 
     def _pull(self, pieces: list[tuple[_Peer, TransferPlan]], result: LoadResult, job: LoadJob) -> None:
-        """Post every layer's runs from every source (layer 0 first, each indexer with its layer), then wait."""
+        """Post every source's runs, then wait. Two batches per source, the first layer's and the rest: each batch
+        costs a post and a completion to poll, and nothing on decode uses a layer before the whole load is in
+        (79 per-layer batches reached 78 % of one batch's rate, ``benchmarks/posting_bench.py``); the first
+        batch stays apart so the ``stall_mid`` and ``transport_*`` test hooks act between two batches."""
         t0 = time.perf_counter()
         with self._posted() as posted:
             for peer, plan in pieces:
-                for _, entries in plan.layers():
-                    if not any(e.num_runs for e in entries):
-                        continue  # this rank holds none of the tokens that source has of this layer
+                layers = [entries for _, entries in plan.layers() if any(e.num_runs for e in entries)]
+                for entries in (layers[0] if layers else [], [e for rest in layers[1:] for e in rest]):
+                    if not entries:
+                        continue  # this rank holds none of the tokens that source has of these layers
                     if len(posted) == 1:
                         stall(job, "stall_mid")
                     posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))

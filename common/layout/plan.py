@@ -78,7 +78,7 @@ class TransferPlan:
         return out
 
     def layers(self) -> list[tuple[int, list[RegionRuns]]]:
-        """Entries grouped by layer, in plan order (what a layer-by-layer poster walks)."""
+        """Entries grouped by layer, in plan order (a pull posts the first layer apart from the rest)."""
         groups: dict[int, list[RegionRuns]] = {}
         for e in self.entries:
             groups.setdefault(e.src.layer_id, []).append(e)

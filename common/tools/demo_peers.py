@@ -2,7 +2,7 @@
 
 Each runs the same engine-free services the engine adapters run (``PrefillService``, ``DecodeService``):
 regions from the spec, transport registration, hello/fingerprint handshake, suffix pages, plan, lease
-claim, layer-by-layer pull, digest check, release confirmation.
+claim, pull, digest check, release confirmation.
 Run as ``python -m glm_pd_common.tools.demo_peers prefill|decode`` with a JSON job on stdin;
 each prints its report as JSON lines marked ``GLMPD`` on stdout.
 """

@@ -1,0 +1,142 @@
+"""How close glm-pd's service path gets to raw NIXL on the same bytes, pull and streamed, in one run.
+
+One GLM-5.3 request (``--tokens``, shuffled page tables, 64-token pages) between a prefill and a decode NIXL agent
+on loopback, with the services between them. Each repetition runs, in turn:
+- ``raw``: the whole plan posted by decode's transport as one batch and waited for (the transport's best case);
+- ``pull``: a decode load through ``DecodeService`` against ``PrefillService`` (verification off): the figure is
+  the load's own read time (posting every batch and waiting), bytes from what the transport reported done;
+- ``streamed``: the same request streamed in ``--chunks`` announcements made back to back before the lease: the
+  read time from the first announcement to the last byte, so what differs from pull is the posting (a batch
+  per chunk), not prefill's compute.
+The median of each, and its ratio to raw's median. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.peer import Endpoint
+from glm_pd_common.handoff.prefill_service import PrefillService
+from glm_pd_common.layout.fingerprint import PeerShape
+from glm_pd_common.layout.geometry import ModelGeometry
+from glm_pd_common.layout.pages import num_pages_for
+from glm_pd_common.layout.plan import build_plan
+from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.hostmem import HostCaches
+from glm_pd_common.transport.base import TransportConfig, create_transport
+from tests.support.emit import emit_rows
+
+SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
+PAGE_TOKENS = 64
+
+
+def side(name: str, pages: int) -> tuple[HostCaches, Endpoint]:
+    caches = HostCaches(SPEC, page_tokens=PAGE_TOKENS, num_pages=pages)
+    transport = create_transport(name, TransportConfig(allow_tcp=True, timeout_s=120))
+    transport.register(caches.regions)
+    return caches, Endpoint(name, SPEC, caches.regions, transport, PeerShape(PAGE_TOKENS, 1, 0))
+
+
+def collect(decode: DecodeService) -> LoadResult:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        results = decode.results()
+        if results:
+            return results[0]
+        time.sleep(0.001)
+    raise SystemExit("no load result within 120 s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16_384)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/posting_bench.json")
+    args = parser.parse_args()
+    pages = num_pages_for(args.tokens, PAGE_TOKENS)
+    rng = np.random.default_rng(7)
+    p_table, d_table = rng.permutation(2 * pages)[:pages], rng.permutation(2 * pages)[:pages]
+    p_caches, p_end = side("prefill", 2 * pages)
+    d_caches, d_end = side("decode", 2 * pages)
+    p_caches.write_tokens(p_table, 0, args.tokens, seed=1)
+    prefill = PrefillService(p_end, host="127.0.0.1", port=0, lease_s=60, timeout_s=60, streamed=True)
+    decode = DecodeService(d_end, timeout_s=60, verify_digests=False)
+    where = RemotePrefill("prefill", "127.0.0.1", prefill.port, 1)
+    plan = build_plan(p_end.regions, d_end.regions, p_table, d_table, num_tokens=args.tokens, prefix_tokens=0)
+    seconds: dict[str, list[float]] = {"raw": [], "pull": [], "streamed": []}
+    batches: dict[str, int] = {"raw": 1}
+    moved: dict[str, int] = {"raw": plan.num_bytes}
+    step = -(-pages // args.chunks)
+    try:
+        for rep in range(args.repeats + 1):  # the first is a warm-up (handshake, UCX connection set-up)
+            rid = f"pull-{rep}"
+            prefill.grant(rid, p_table)
+            decode.submit(LoadJob(rid, where, p_table, d_table, args.tokens, 0))
+            pull = collect(decode)
+            tid = f"stream-{rep}"
+            prefill.open_stream(tid, args.tokens)
+            stream_where = RemotePrefill(where.address, "127.0.0.1", prefill.port, 0)
+            empty = np.empty(0, np.int64)
+            decode.submit(LoadJob(tid, stream_where, empty, d_table, args.tokens, 0, stream_id=tid))
+            time.sleep(0.3)  # subscribed: each announcement is read as one batch
+            for first in range(0, pages, step):
+                upto = min((first + step) * PAGE_TOKENS, args.tokens)
+                prefill.advance_stream(tid, p_table[first : first + step], upto)
+            prefill.grant_stream(f"{tid}#0", tid, p_table, args.tokens)
+            streamed = collect(decode)
+            if not (pull.ok and streamed.ok):
+                raise SystemExit(f"a load failed: {pull.reason or streamed.reason}")
+            agent = d_end.transport.remote_peers()[0]
+            t0 = time.perf_counter()
+            xfer = d_end.transport.post_plan(agent, plan, "READ")
+            d_end.transport.wait(xfer)
+            raw = time.perf_counter() - t0
+            d_end.transport.release(xfer)
+            if rep:
+                seconds["raw"].append(raw)
+                seconds["pull"].append(pull.seconds)
+                seconds["streamed"].append(streamed.seconds)
+                for name, result in (("pull", pull), ("streamed", streamed)):
+                    batches[name], moved[name] = result.batches, sum(result.bytes_by_kind.values())
+        wrong = d_caches.mismatched_tokens(d_table, 0, args.tokens, seed=1)
+        if wrong:
+            raise SystemExit(f"bytes differ after the loads: {wrong[:3]}")
+    finally:
+        decode.close()
+        prefill.close()
+        d_end.transport.close()
+        p_end.transport.close()
+    raw_median = statistics.median(seconds["raw"])
+    rows = [
+        {
+            "case": name,
+            "tokens": args.tokens,
+            "bytes": moved[name],
+            "batches": batches[name],
+            "s_median": statistics.median(values),
+            "gbps_median": moved[name] / statistics.median(values) / 1e9,
+            "of_raw": raw_median / statistics.median(values),
+        }
+        for name, values in seconds.items()
+    ]
+    emit_rows(
+        rows,
+        args.out,
+        as_json=args.json,
+        header=f"{'case':>9} {'batches':>8} {'MB':>8} {'ms':>9} {'GB/s':>7} {'of raw':>7}",
+        line=lambda r: (
+            f"{r['case']:>9} {r['batches']:>8} {r['bytes'] / 1e6:>8.1f} {r['s_median'] * 1e3:>9.1f} "
+            f"{r['gbps_median']:>7.2f} {r['of_raw']:>7.0%}"
+        ),
+    )
+
+
+if __name__ == "__main__":
+    main()
