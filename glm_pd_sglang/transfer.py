@@ -154,7 +154,7 @@ class PrefillTransfers:
                 state = int_pages(np.asarray(c.state_indices[self.caches.dsa_component]), what="DSA state pages")
             sent = self._sent_pages.setdefault(c.room, [])
             sent.append(pages)
-            whole = np.concatenate(sent) if c.is_last else pages  # the whole suffix matters only at the end
+            whole = np.concatenate(sent) if c.is_last else pages  # checked and digested at the end
             for target in list(self.transfer_infos[c.room].values()):
                 if not target.is_dummy:
                     self._write_chunk(target, c, pages, state, whole)
@@ -170,7 +170,13 @@ class PrefillTransfers:
             self.conclude_failure(bootstrap_room=c.room, failure_reason=reason)
 
     def _write_chunk(self, t: Target, c: Chunk, pages: np.ndarray, state: np.ndarray | None, sent: np.ndarray) -> None:
-        """Push one chunk's main KV (and, on the last chunk, the indexer and metadata row) to one decode rank."""
+        """Push one chunk's main KV and indexer (and, on the last chunk, the metadata row) to one decode rank.
+
+        SGLang hands the DSA state pages only with the last chunk (``_send_kv_chunk``), as the main KV suffix
+        pages of the same row (``suffix_page_indices``): each chunk's indexer therefore moves with its own main
+        pages, so a finished chunk lands whole on decode, and the last chunk's state pages must equal every page
+        sent (``sent``), or the indexer went to the wrong pages.
+        """
         peer = self._peers.get(t.agent_name)
         if peer is None:
             raise ProtocolError(f"decode {t.agent_name} is no longer registered")
@@ -185,19 +191,14 @@ class PrefillTransfers:
         start, stop = c.index_slice.start, c.index_slice.start + pages.size
         if stop > t.dst_pages.size:
             raise PlanError(f"prefill sends pages {start}..{stop} of a suffix decode sized {t.dst_pages.size}")
-        whole = c.is_last and start == 0
-        if pages.size:
-            kinds = ("main", "indexer") if whole else ("main",)
-            self._post_plan(
-                c.room, t, peer, kinds, layers, pages, t.dst_pages[start:stop], t.decode_prefix_len + start * page
+        if c.is_last and (state is None or not np.array_equal(state, sent)):
+            raise PlanError(
+                "prefill's DSA state pages are not its main KV suffix pages; the indexer would be misplaced"
             )
+        if pages.size:
+            first_token = t.decode_prefix_len + start * page
+            self._post_plan(c.room, t, peer, ("main", "indexer"), layers, pages, t.dst_pages[start:stop], first_token)
         if c.is_last:
-            if state is None or not np.array_equal(state, sent):
-                raise PlanError(
-                    "prefill's DSA state pages are not its main KV suffix pages; the indexer would be misplaced"
-                )
-            if not whole and sent.size:
-                self._post_plan(c.room, t, peer, ("indexer",), layers, sent, t.dst_pages, t.decode_prefix_len)
             self._post_aux(t, peer, c.aux_index)
             if self.glm_config.verify_checksums:
                 names, digests = zip(*self._region_digests(sent), strict=True) if sent.size else ((), ())

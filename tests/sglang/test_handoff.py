@@ -22,7 +22,7 @@ REQUESTS = [
     {"room": 11, "tokens": 40},  # shorter than a page
     {"room": 12, "tokens": 700},
     {"room": 13, "tokens": 1000, "prefix": 384},  # decode holds 6 pages: only the suffix travels
-    {"room": 14, "tokens": 2100, "prefix": 64, "chunk_pages": 7},  # chunked prefill: indexer on the last chunk
+    {"room": 14, "tokens": 2100, "prefix": 64, "chunk_pages": 7},  # chunked prefill: each chunk with its indexer
 ]
 
 

@@ -15,7 +15,7 @@ PAGE = 64
 VERIFY = {"SGLANG_GLM_PD_VERIFY_CHECKSUMS": "1"}  # decode merges the digests of every prefill rank it reads
 REQUESTS = [
     {"room": 71, "tokens": 700, "prefix": 128},  # decode's prefix hit: only the suffix travels
-    {"room": 72, "tokens": 1500, "prefix": 64, "chunk_pages": 7},  # chunked: the indexer goes with the last chunk
+    {"room": 72, "tokens": 1500, "prefix": 64, "chunk_pages": 7},  # chunked: each chunk with its indexer
 ]
 
 

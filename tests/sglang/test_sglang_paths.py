@@ -33,6 +33,28 @@ def test_chunks_wait_for_their_events(pair) -> None:
     assert_clean(prefill, decode)
 
 
+def test_a_finished_chunk_is_on_decode_before_the_last_is_sent(pair) -> None:
+    """Chunked prefill (issue 17): after each chunk's transfer, prefill pauses before it sends more while decode
+    reads the pages of the tokens sent so far from its own caches. Every region of those pages, each indexer
+    included, must already hold prefill's bytes (read from prefill's caches at the pause): an indexer held
+    back to the last chunk leaves decode's old bytes there."""
+    requests = [{"room": 131, "tokens": 1500, "prefix": 64, "chunk_pages": 5, "observe_chunks": True}]
+    prefill, decode = pair.run(requests, env={"SGLANG_GLM_PD_VERIFY_CHECKSUMS": "1"})  # digests cover every chunk
+    assert_exact(prefill, decode)
+    (p,), (d,) = prefill["results"], decode["results"]
+    src, landed = p["chunk_digests"][0], d["chunk_digests"][0]
+    # chunks of 320 tokens from token 0; decode's prefix hit holds the first 64: a pause after every chunk but
+    # the last (which is sent only after the pause at 1280 tokens)
+    assert sorted(src, key=int) == ["320", "640", "960", "1280"] and sorted(landed) == sorted(src)
+    assert all(SUCCESS not in states for states in d["chunk_states"].values()), d["chunk_states"]
+    for tokens, want in src.items():
+        assert sum(name.startswith("indexer") for name in want) == 4  # layers 0-2 and the MTP layer
+        assert len(want["indexer 0"]) == (int(tokens) - 64) // 64
+        for name, digests in want.items():
+            assert landed[tokens][name] == digests, f"decode's {name} of tokens 64..{tokens} before the last chunk"
+    assert_clean(prefill, decode)
+
+
 def test_a_hung_decode_peer_does_not_delay_another(pair) -> None:
     """Decode A's room hangs in its transfer (until the 8 s timeout); decode B's room, queued after it on the
     same prefill rank, lands at once on its own lane."""

@@ -19,6 +19,10 @@ the worst timing a GPU may show, so a backend that reads before synchronizing re
 Imitated, not SGLang's: the batch formation (one chunk of each running request per step, every request's
 own ``chunk_pages``), and the in-flight queue's release (pages, row and metadata slot freed here the way
 ``process_disagg_prefill_inflight_queue`` frees them, without a radix tree).
+
+Observation hook: for a request marked ``observe_chunks``, once the backend has written every chunk handed to
+it so far, the loop records prefill's bytes of the pages sent and calls ``between_chunks`` (room, tokens
+sent) before going on, so a test can look at decode's caches while the rest of the request is unsent.
 """
 
 from __future__ import annotations
@@ -104,13 +108,21 @@ class Running:
     bootstrapped: bool = False
     sent_last: bool = False
     early_sent: bool = False  # this step's early send handed the backend a chunk behind an event
+    observed: dict[int, dict[str, list[str]]] = field(default_factory=dict)  # tokens sent -> prefill's page digests
     events: list[EventDouble] = field(default_factory=list)  # SGLang recorded these for its early sends
 
 
 class PrefillLoop:
     """All ranks of one prefill engine, stepped together; each rank's queue and senders are its own."""
 
-    def __init__(self, ranks: list[Rank], cfg: dict[str, Any], model: Any, bootstrap_port: int) -> None:
+    def __init__(
+        self,
+        ranks: list[Rank],
+        cfg: dict[str, Any],
+        model: Any,
+        bootstrap_port: int,
+        between_chunks: Callable[[int, int], None] | None = None,
+    ) -> None:
         torch.cuda.Event = EventDouble  # what SGLang's prefill code records for the early send
         self.ranks, self.cfg, self.model, self.port = ranks, cfg, model, bootstrap_port
         self.page = cfg["page_size"]
@@ -120,6 +132,7 @@ class PrefillLoop:
         self.waiting: list[dict[str, Any]] = list(cfg["requests"])
         self.active: list[list[Running]] = [[] for _ in ranks]
         self.results: list[dict[str, Any]] = []
+        self.between_chunks = between_chunks
 
     def run(self) -> list[dict[str, Any]]:
         deadline = time.monotonic() + 60 + 30 * len(self.waiting)
@@ -235,6 +248,8 @@ class PrefillLoop:
             time.sleep(0.001)
         write.land()
         run.early_sent = False
+        if run.spec.get("observe_chunks") and self.between_chunks is not None:
+            self._observe(r, run, self.between_chunks)
         if write.end == len(run.req.origin_input_ids):
             run.req.output_ids.append(run.first_token)
             self._set_seeds(run)
@@ -242,6 +257,21 @@ class PrefillLoop:
             run.sent_last = True
         else:  # overlap: a middle chunk is sent when its result is taken (SGLang page-aligns it down)
             r.scheduler.send_kv_chunk(run.req, last_chunk=False, end_idx=write.end)
+
+    def _observe(self, r: Rank, run: Running, between_chunks: Callable[[int, int], None]) -> None:
+        """Once the backend wrote every chunk it was handed, and something new was sent: prefill's bytes of the
+        pages sent so far, then the hook (the last chunk is not sent before it returns)."""
+        room, deadline = run.spec["room"], time.monotonic() + 30
+        while r.mgr._staging_outstanding.get(room, 0):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"room {room}: the backend never finished its chunks")
+            time.sleep(0.001)
+        sent = run.req.start_send_idx
+        if sent <= max(run.observed, default=run.req.disagg_decode_prefix_len):
+            return
+        first = run.req.disagg_decode_prefix_len // self.page
+        run.observed[sent] = r.page_digests(np.array(run.table[first : sent // self.page], dtype=np.int64))
+        between_chunks(room, sent)
 
     def _set_seeds(self, run: Running) -> None:
         """An MTP batch result: hidden states, EAGLE top-k and (GLM-5.2+) the DSA top-k seeds of the request."""
@@ -284,6 +314,7 @@ class PrefillLoop:
             reason_of(run.req.disagg_kv_sender) if s == KVPoll.Failed else ""
             for run, s in zip(runs, states, strict=True)
         ]
+        out["chunk_digests"] = [run.observed for run in runs]
         for kind in ("wait", "indices"):  # per rank: events SGLang handed over, and those the backend waited on
             out[f"{kind}_events"] = [sum(e.kind == kind for e in run.events) for run in runs]
             out[f"{kind}_events_synced"] = [

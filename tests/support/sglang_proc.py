@@ -14,6 +14,9 @@ retraction and hicache state; their steps are taken here one request at a time. 
 others state a ``prefix`` whose pages decode allocates and fills itself, as a hit leaves them. Caches live
 in host memory (``device cpu``).
 Results (poll walks, reasons, per-page digests of the suffix, metadata rows, timings) go to a JSON file.
+A room marked ``observe_chunks`` is paused on prefill after each finished chunk (``PrefillLoop``'s
+``between_chunks``) until decode, while it polls, has read the pages of the tokens sent so far: two files
+beside the report, ``.sent`` from prefill, ``.seen`` from decode.
 
 Usage: python -m tests.support.sglang_proc CONFIG.json
 """
@@ -26,6 +29,7 @@ import os
 import sys
 import time
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,7 @@ ROLE = cfg["role"]
 PAGE = cfg["page_size"]
 DEADLINE_S = cfg.get("timeout_s", 30.0)
 BOOT = f"127.0.0.1:{cfg['bootstrap_port']}"
+GATE = Path(cfg["out"]).parent / f"gate-{cfg['bootstrap_port']}"  # + -ROOM-TOKENS.sent / .seen
 E2E = cfg.get("e2e")  # run the tiny DSA model (tests/support/tiny_dsa.py) on these caches
 
 server_args = prepare_server_args(
@@ -76,13 +81,50 @@ MODEL = TinyDsa(MODEL_CONFIG.hf_config.num_hidden_layers, sorted(cfg["full_layer
 Receiver = get_kv_class(TransferBackend(server_args.disaggregation_transfer_backend), KVClassType.RECEIVER)
 
 
-def walk(objs: list[Any], until: tuple[int, ...], deadline: float) -> list[int]:
-    """Poll every rank's receiver to a status in ``until`` (all ranks, as SGLang's MIN all-reduce would)."""
+def walk(
+    objs: list[Any], until: tuple[int, ...], deadline: float, between: Callable[[list[int]], None] | None = None
+) -> list[int]:
+    """Poll every rank's receiver to a status in ``until`` (all ranks, as SGLang's MIN all-reduce would);
+    ``between`` runs after each poll with the states seen."""
     while True:
         states = [int(o.poll()) for o in objs]
+        if between is not None:
+            between(states)
         if min(states) in until or KVPoll.Failed in states or time.monotonic() > deadline:
             return states
         time.sleep(0.0005)
+
+
+def wait_for_decode(room: int, sent_tokens: int) -> None:
+    """Prefill's ``between_chunks``: tell decode what was sent, and wait until decode has looked."""
+    gate = Path(f"{GATE}-{room}-{sent_tokens}")
+    Path(f"{gate}.sent").write_text("")
+    deadline = time.monotonic() + DEADLINE_S
+    while not Path(f"{gate}.seen").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"decode never looked at room {room} after {sent_tokens} tokens")
+        time.sleep(0.001)
+
+
+def look_between_chunks(
+    ranks: list[Rank], slots: list[DecodeSlot], room: int, out: dict[str, Any]
+) -> Callable[[list[int]], None]:
+    """Decode's side of ``wait_for_decode``: per chunk prefill paused after, this side's digests of the pages
+    of the tokens sent so far, read from its own caches, with the receivers' states at that moment."""
+    seen = out.setdefault("chunk_digests", [{} for _ in ranks])
+    states_then = out.setdefault("chunk_states", {})
+
+    def between(states: list[int]) -> None:
+        for sent_file in sorted(GATE.parent.glob(f"{GATE.name}-{room}-*.sent")):
+            tokens = int(sent_file.stem.rsplit("-", 1)[1])
+            if tokens in states_then:
+                continue
+            for r, s, digests in zip(ranks, slots, seen, strict=True):
+                digests[tokens] = r.page_digests(s.table[s.prefix // PAGE : tokens // PAGE])
+            states_then[tokens] = states
+            sent_file.with_suffix(".seen").write_text("")
+
+    return between
 
 
 class DecodeSlot:
@@ -177,7 +219,8 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
                     rc.abort()
                 if fault == "corrupt":
                     r.mgr.corrupt_next_room = room
-            states = walk(receivers, (KVPoll.Success,), deadline)
+            between = look_between_chunks(ranks, slots, room, out) if req.get("observe_chunks") else None
+            states = walk(receivers, (KVPoll.Success,), deadline, between)
             for r, s in zip(ranks, slots, strict=True):
                 out.setdefault("dst_digests", []).append(r.page_digests(s.table[prefix // PAGE : end]))
                 out.setdefault("prefix_after", []).append(r.page_digests(s.table[: prefix // PAGE]))
@@ -214,7 +257,7 @@ def main() -> None:
     ranks = [Rank(i, cfg, server_args, MODEL_CONFIG) for i in range(cfg["tp"] * cfg.get("cp", 1))]
     print("GLMPD_TEST ready", flush=True)
     if ROLE == "prefill":
-        results = PrefillLoop(ranks, cfg, MODEL, cfg["bootstrap_port"]).run()
+        results = PrefillLoop(ranks, cfg, MODEL, cfg["bootstrap_port"], wait_for_decode).run()
     else:
         results = run_decode(ranks, cfg["requests"])
     report = {
