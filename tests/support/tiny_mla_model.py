@@ -19,7 +19,19 @@ TEXT = [
 ]
 
 
-def make_model(path: Path) -> Path:
+def make_model(
+    path: Path,
+    *,
+    num_layers: int = 3,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_heads: int = 4,
+    head_dim: int = 64,
+    max_positions: int = 4096,
+) -> Path:
+    """Write the model and its tokenizer to ``path``. The defaults are the tests' model; a benchmark that needs
+    many bytes of KV per token raises ``num_layers`` (every layer dense) and shrinks the rest, which sets the
+    prefill compute but not the 1,152 B latent row per token per layer. ``head_dim``: qk_nope and v head dims."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, PreTrainedTokenizerFast
 
@@ -34,22 +46,22 @@ def make_model(path: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
     config = DeepseekV2Config(
         vocab_size=tok.get_vocab_size(),
-        hidden_size=256,
-        intermediate_size=512,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         moe_intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
         kv_lora_rank=512,  # with qk_rope_head_dim 64: the 576-wide latent row, 1,152 B in bf16
         q_lora_rank=None,
         qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
+        qk_nope_head_dim=head_dim,
+        v_head_dim=head_dim,
         n_routed_experts=4,
         num_experts_per_tok=2,
         n_shared_experts=1,
-        first_k_dense_replace=3,
-        max_position_embeddings=4096,
+        first_k_dense_replace=num_layers,
+        max_position_embeddings=max_positions,
         eos_token_id=0,
         bos_token_id=0,
         rope_scaling=None,
