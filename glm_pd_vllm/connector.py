@@ -131,6 +131,14 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            from glm_pd_vllm.scheduler import GlmPdMetadata
+
+            assert isinstance(connector_metadata, GlmPdMetadata)
+            self._worker.bind(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv(self._get_connector_metadata())

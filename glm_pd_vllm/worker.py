@@ -148,13 +148,21 @@ class GlmPdWorker:
             self.transport.info().data_path,
         )
 
-    def start_load_kv(self, meta: GlmPdMetadata) -> None:
-        ready = self._ready_event() if meta.grants else None
+    def bind(self, meta: GlmPdMetadata) -> None:
+        """Before the step's forward: open and end streamed transfers, cancel loads. None of it waits on GPU work,
+        and vLLM calls ``start_load_kv`` only once the forward is launched (on CPU: once it has run), so a
+        decode that subscribed would otherwise wait a whole first step for prefill to know the transfer."""
         if self.prefill is not None:
             for transfer_id, num_tokens in meta.opened.items():
                 self.prefill.open_stream(transfer_id, num_tokens)
             for transfer_id, why in meta.ended.items():
                 self.prefill.end_stream(transfer_id, why)
+        if self.decode is not None:
+            for request_id in meta.cancels:
+                self.decode.cancel(request_id)
+
+    def start_load_kv(self, meta: GlmPdMetadata) -> None:
+        ready = self._ready_event() if meta.grants else None
         for lease_id, grant in meta.grants.items():
             if self.prefill is not None:
                 self._lease_requests[lease_id] = grant.request_id
@@ -163,9 +171,6 @@ class GlmPdWorker:
                     self.prefill.grant_stream(lease_id, grant.transfer_id, pages, grant.num_tokens, ready=ready)
                 else:
                     self.prefill.grant(lease_id, pages, ready=ready)
-        for request_id in meta.cancels:
-            if self.decode is not None:
-                self.decode.cancel(request_id)
         for renewal in meta.renewals:
             if self.decode is not None:
                 sharding = Sharding(token_shards=renewal.token_shards, interleave=renewal.interleave)

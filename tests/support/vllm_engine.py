@@ -138,7 +138,10 @@ class Engine:
         kv_cache_config = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=[group])
         config.cache_config.num_gpu_blocks = self.num_blocks  # as EngineCore sets it after profiling
         config.scheduler_config.max_num_seqs = job.get("max_num_seqs", config.scheduler_config.max_num_seqs)
-        if "max_num_batched_tokens" in job:  # chunked prefill: a long prompt over several steps
+        # chunked prefill (a long prompt over several steps), where vLLM left it on: its CPU platform turns it off
+        # for MLA without AMX (and sizes the budget to a whole prompt)
+        self.chunked_prefill = bool(config.scheduler_config.enable_chunked_prefill)
+        if "max_num_batched_tokens" in job and self.chunked_prefill:
             config.scheduler_config.max_num_batched_tokens = job["max_num_batched_tokens"]
         # as EngineCore: one scheduler block spans block_size x DCP tokens
         self.scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, config)

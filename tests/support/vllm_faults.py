@@ -35,7 +35,9 @@ T = TypeVar("T")
 LEASE_S = 4.0  # prefill holds a finished request's blocks this long unless decode renews the lease
 TIMEOUT_S = 15.0  # decode's bound on each answer it awaits: a killed prefill fails its load within it
 KV_CACHE_TOKENS = 4096  # decode's cache: two long streams leave no room for a third long prompt
-CHUNK_TOKENS = 128  # the fault prefill's chunked prefill: a 1950-token prompt takes 16 steps
+# The fault prefill's chunked prefill: a 1950-token prompt takes 16 steps, where vLLM keeps it on (its CPU platform
+# turns it off for MLA without AMX: one step, the streamed cases then wait on one announcement and the lease)
+CHUNK_TOKENS = 128
 TOKEN_BYTES = 3 * 1152  # the tiny model's KV per token: 3 layers x one bf16 latent row (512 + 64) x 2 B
 PROXY = Path(__file__).parents[2] / "recipes" / "router" / "pd_proxy.py"
 
@@ -220,7 +222,6 @@ class FaultPair:
             self.kv = ("127.0.0.1", free_port())  # its side channel: a streamed request's decode leg names it
             side = {"side_channel_host": self.kv[0], "side_channel_port": self.kv[1]}
             config = glm_pd_config("kv_producer", **side, **timing)
-            # chunked prefill: a long prompt is computed (and streamed) over many steps
             return Server(name, self.model, self.log_dir, "--kv-transfer-config", config,
                           "--max-num-batched-tokens", str(CHUNK_TOKENS),
                           env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]})  # fmt: skip

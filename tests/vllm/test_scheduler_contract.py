@@ -263,6 +263,8 @@ def test_a_streamed_request_is_read_while_prefill_computes_it(pair) -> None:
     forward checking every block."""
     streamed = {"extra": {"streamed": True}}
     prefill, decode = pair(32 * 64, {**streamed, "max_num_batched_tokens": 64}, **streamed)
+    if not prefill.chunked_prefill:
+        pytest.skip("this vLLM turned chunked prefill off (MLA on a CPU without AMX): one step, no chunk to stream")
     port = prefill.connector._scheduler.port
     prompt, segments = list(range(5000, 5000 + PROMPT)), [(PROMPT, 41)]
     prefill.add("S", prompt, segments, {"do_remote_decode": True, "glm_pd_transfer_id": "tx-S"})
@@ -288,3 +290,22 @@ def test_a_streamed_request_is_read_while_prefill_computes_it(pair) -> None:
     s = decode.tracked["S"]
     assert s.finish == "length" and s.mismatched == [], s
     settled(prefill, decode)
+
+
+def test_prefill_knows_a_streamed_transfer_before_its_first_forward(pair) -> None:
+    """vLLM calls ``start_load_kv`` only once the step's forward is launched (on CPU, once it has run): a decode
+    that subscribed first must not wait that long for prefill to know the transfer (a first step longer than
+    decode's timeout failed it: "prefill has no request for this transfer id"). The transfer opens when vLLM binds
+    the step's metadata, before the forward."""
+    streamed = {"extra": {"streamed": True}}
+    prefill, _ = pair(32 * 64, streamed, **streamed)
+    prefill.add("S", list(range(PROMPT)), [(PROMPT, 5)], {"do_remote_decode": True, "glm_pd_transfer_id": "tx"})
+    out = prefill.scheduler.schedule()
+    service = prefill.workers[0]._worker.prefill
+    assert service.leftovers()["streams"] == 0
+    prefill.workers[0].bind_connector_metadata(out.kv_connector_metadata)
+    deadline = time.monotonic() + 5
+    while service.leftovers()["streams"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.leftovers()["streams"] == 1, "the transfer is not open before the step's forward"
+    prefill.workers[0].clear_connector_metadata()
