@@ -5,9 +5,9 @@ on loopback, with the services between them. Each repetition runs, in turn:
 - ``raw``: the whole plan posted by decode's transport as one batch and waited for (the transport's best case);
 - ``pull``: a decode load through ``DecodeService`` against ``PrefillService`` (verification off): the figure is
   the load's own read time (posting every batch and waiting), bytes from what the transport reported done;
-- ``streamed``: the same request streamed in ``--chunks`` announcements made back to back before the lease: the
-  read time from the first announcement to the last byte, so what differs from pull is the posting (a batch
-  per chunk), not prefill's compute.
+- ``streamed``: the same request streamed in ``--chunks`` announcements 1 ms apart (faster than the link drains
+  them), then the lease: the time from the first announcement to the last byte read, so what differs from pull
+  is the posting (a batch per announcement), not prefill's compute.
 The median of each, and its ratio to raw's median. Prints a table, writes JSON.
 """
 
@@ -83,14 +83,18 @@ def main() -> None:
             tid = f"stream-{rep}"
             prefill.open_stream(tid, args.tokens)
             stream_where = RemotePrefill(where.address, "127.0.0.1", prefill.port, 0)
-            empty = np.empty(0, np.int64)
-            decode.submit(LoadJob(tid, stream_where, empty, d_table, args.tokens, 0, stream_id=tid))
-            time.sleep(0.3)  # subscribed: each announcement is read as one batch
+            job = LoadJob(tid, stream_where, np.empty(0, np.int64), d_table, args.tokens, 0, stream_id=tid)
+            decode.submit(job)
+            time.sleep(0.3)  # subscribed
+            announced = time.monotonic()
             for first in range(0, pages, step):
                 upto = min((first + step) * PAGE_TOKENS, args.tokens)
                 prefill.advance_stream(tid, p_table[first : first + step], upto)
+                time.sleep(0.001)  # one announcement each (a grant in the same service turn would cover them)
             prefill.grant_stream(f"{tid}#0", tid, p_table, args.tokens)
             streamed = collect(decode)
+            phases = streamed.phases  # seconds spent in each phase since submission, in order
+            last_byte = job.submitted_at + sum(v for k, v in phases.items() if k != "release")
             if not (pull.ok and streamed.ok):
                 raise SystemExit(f"a load failed: {pull.reason or streamed.reason}")
             agent = d_end.transport.remote_peers()[0]
@@ -102,7 +106,7 @@ def main() -> None:
             if rep:
                 seconds["raw"].append(raw)
                 seconds["pull"].append(pull.seconds)
-                seconds["streamed"].append(streamed.seconds)
+                seconds["streamed"].append(last_byte - announced)
                 for name, result in (("pull", pull), ("streamed", streamed)):
                     batches[name], moved[name] = result.batches, sum(result.bytes_by_kind.values())
         wrong = d_caches.mismatched_tokens(d_table, 0, args.tokens, seed=1)

@@ -98,6 +98,14 @@ def _prefill_body(body: dict[str, Any], chat: bool, transfer_id: str = "") -> di
     return out
 
 
+def _leg_failure(leg: asyncio.Task | None) -> str | None:
+    """Why a finished prefill leg failed, or None (running, cancelled or fine)."""
+    if leg is None or not leg.done() or leg.cancelled() or leg.exception() is None:
+        return None
+    exc = leg.exception()
+    return exc.message if isinstance(exc, UpstreamError) else repr(exc)
+
+
 def _prompt_token_ids(data: dict[str, Any], chat: bool) -> list[int]:
     ids = data.get("prompt_token_ids")
     choices = data.get("choices") or []
@@ -127,6 +135,7 @@ def create_app(
         await client.aclose()
 
     app = FastAPI(title="glm-pd PD proxy", lifespan=lifespan)
+    legs: set[asyncio.Task] = set()  # streamed requests' prefill legs still running
 
     async def call(pool: Pool, inst: Instance, path: str, body: dict[str, Any], *, stream: bool) -> httpx.Response:
         try:
@@ -221,6 +230,8 @@ def create_app(
             "remote_port": port,
         }
         first = asyncio.create_task(prefill_leg(p, path, _prefill_body(body, chat, transfer_id)))
+        legs.add(first)  # kept until it ends, even past decode's answer
+        first.add_done_callback(legs.discard)
         d.in_flight += 1
         try:
             resp = await call(decode, d, path, {**body, "kv_transfer_params": params}, stream=bool(body.get("stream")))
@@ -241,24 +252,24 @@ def create_app(
         return StreamingResponse(relay(d, resp, first), media_type="text/event-stream")
 
     async def relay(inst: Instance, resp: httpx.Response, first: asyncio.Task | None = None) -> AsyncIterator[bytes]:
+        finished = False
         try:
             async for chunk in resp.aiter_raw():
-                if first is not None and first.done() and first.exception() is not None:
-                    exc = first.exception()
-                    message = exc.message if isinstance(exc, UpstreamError) else repr(exc)
-                    error = {"error": {"message": message, "type": "upstream_error"}}
-                    yield f"data: {json.dumps(error)}\n\n".encode()
+                failure = _leg_failure(first)
+                if failure is not None:  # streamed: prefill's leg failed, decode's load fails with it
+                    yield f"data: {json.dumps({'error': {'message': failure, 'type': 'upstream_error'}})}\n\n".encode()
                     return
                 yield chunk
             inst.served += 1
+            finished = True
         except httpx.HTTPError as exc:
             inst.failures += 1
             error = {"error": {"message": f"decode {inst.url} broke off the stream: {exc!r}", "type": "upstream_error"}}
             yield f"data: {json.dumps(error)}\n\n".encode()
         finally:
             inst.in_flight -= 1
-            if first is not None and not first.done():
-                first.cancel()  # the client went: prefill's leg is dropped too (prefill aborts the request)
+            if first is not None and not finished:
+                first.cancel()  # the client went or decode broke off: prefill's leg is dropped (prefill aborts it)
             await resp.aclose()
 
     @app.post("/v1/completions")

@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 sys.path.insert(0, str(Path(__file__).parents[2] / "recipes" / "router"))
 import pd_proxy
 
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -59,12 +61,16 @@ def tokens(prompt: str) -> list[int]:
 class Prefill:
     def __init__(self, name: str) -> None:
         self.name, self.mode, self.seen = name, "ok", []
+        self.answered: list[float] = []
         self.app = FastAPI()
 
         @self.app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             body = await request.json()
             self.seen.append(body)
+            if self.mode == "hang_1s":
+                await asyncio.sleep(1)
+                self.answered.append(time.monotonic())
             if self.mode == "500":
                 return JSONResponse({"error": {"message": "CUDA out of memory"}}, 500)
             if self.mode == "400":
@@ -85,12 +91,14 @@ class Prefill:
 class Decode:
     def __init__(self, name: str) -> None:
         self.name, self.mode, self.seen = name, "ok", []
+        self.arrived: list[float] = []
         self.app = FastAPI()
 
         @self.app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             body = await request.json()
             self.seen.append(body)
+            self.arrived.append(time.monotonic())
             if self.mode == "503":
                 return JSONResponse({"error": {"message": "KV load failed"}}, 503)
             text = f"{self.name}:{len(body['prompt'])}"
@@ -217,3 +225,51 @@ def test_bad_client_requests(cluster: dict[str, Any]) -> None:
     r = httpx.post(cluster["proxy"] + "/v1/completions", content=b"{not json", timeout=5)
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
     assert post(cluster, {"prompt": "x", "n": 2}).status_code == 400
+
+
+@pytest.fixture
+def streamed_cluster() -> Iterator[dict[str, Any]]:
+    """One prefill (answering after 1 s, as a long prompt's prefill) and one decode behind the proxy in streamed
+    mode (``prefill_kv``: the prefill's side channel)."""
+    prefill, decode = Prefill("p0"), Decode("d0")
+    prefill.mode = "hang_1s"
+    servers = {id(s): Server(s.app) for s in (prefill, decode)}
+    app = pd_proxy.create_app(
+        [servers[id(prefill)].url], [servers[id(decode)].url], timeout_s=5.0, prefill_kv=[("10.0.0.7", 5710)]
+    )
+    proxy = Server(app)
+    yield {"prefills": [prefill], "decodes": [decode], "proxy": proxy.url, "servers": servers}
+    proxy.stop()
+    for s in servers.values():
+        s.stop()
+
+
+def test_streamed_mode_sends_both_legs_at_once_under_one_transfer_id(streamed_cluster: dict[str, Any]) -> None:
+    (prefill,), (decode,) = streamed_cluster["prefills"], streamed_cluster["decodes"]
+    url = streamed_cluster["proxy"] + "/v1/completions"
+    with httpx.stream("POST", url, json={"prompt": "abc", "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]  # decode's leg ran while prefill's was still running
+    assert lines[-1] == "data: [DONE]"
+    deadline = time.monotonic() + 5
+    while not prefill.answered and time.monotonic() < deadline:  # its leg outlives decode's answer, uncancelled
+        time.sleep(0.05)
+    assert len(decode.seen) == 1 and len(prefill.seen) == 1
+    p, d = prefill.seen[0]["kv_transfer_params"], decode.seen[0]["kv_transfer_params"]
+    assert p["do_remote_decode"] and d["do_remote_prefill"] and p["glm_pd_transfer_id"] == d["glm_pd_transfer_id"]
+    assert (d["remote_host"], d["remote_port"], d["glm_pd_protocol"]) == ("10.0.0.7", 5710, PROTOCOL_VERSION)
+    assert "remote_block_ids" not in d and decode.seen[0]["prompt"] == "abc"  # no prefill answer was awaited
+    assert decode.arrived[0] < prefill.answered[0], "decode's leg waited for prefill's answer"
+
+
+def test_streamed_mode_reports_a_failed_prefill_leg(streamed_cluster: dict[str, Any]) -> None:
+    (prefill,) = streamed_cluster["prefills"]
+    prefill.mode = "500"
+    resp = httpx.post(streamed_cluster["proxy"] + "/v1/completions", json={"prompt": "x"}, timeout=20)
+    assert resp.status_code == 502 and "answered 500: CUDA out of memory" in resp.json()["error"]["message"]
+
+
+def test_prefill_kv_must_name_one_address_per_prefill() -> None:
+    with pytest.raises(SystemExit):
+        pd_proxy.parse_args(["--prefill", "http://a", "http://b", "--decode", "http://d", "--prefill-kv", "h:1"])
+    args = pd_proxy.parse_args(["--prefill", "http://a", "--decode", "http://d", "--prefill-kv", "h:5710"])
+    assert args.prefill_kv == [("h", 5710)]
