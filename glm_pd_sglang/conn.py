@@ -356,6 +356,10 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
                     "(SGLang pairs pages one to one; set the same --page-size on both)"
                 )
             aux = check_aux(self.caches.aux_item_lens, [(a.ptr, a.data_len, a.item_len) for a in reg.aux], peer=peer)
+            if self._released:  # no transport until SGLang resumes the memory: loaded then, with the newest
+                self._registrations[hello.agent_name] = reg  # (a decode that resumed first re-registered meanwhile)
+                self._refused.pop(key, None)
+                return
             if hello.agent_name in self._peers:
                 self.transport.remove_peer(hello.agent_name)
             self.transport.add_peer(hello.agent_metadata, [*view.spans, *aux])

@@ -107,10 +107,12 @@ def test_mtp_seeds_arrive_byte_for_byte(seeds_pair) -> None:
 
 def test_memory_release_and_resume_registers_the_new_addresses(pair) -> None:
     """SGLang's ``release_memory_occupation`` / ``resume_memory_occupation`` on both queues between rooms, the
-    caches back at new addresses: later rooms move their bytes from and into the new buffers."""
+    caches back at new addresses: later rooms move their bytes from and into the new buffers. Decode waits 3 s
+    before its own release, as an operator resumes prefill before sending it work again: a room that reaches a
+    prefill whose memory is still released is refused by design (seen under load without the wait)."""
     requests = [
         {"room": 111, "tokens": 900, "prefix": 64},
-        {"room": 112, "tokens": 1300, "prefix": 128, "chunk_pages": 5, "release_resume": True},
+        {"room": 112, "tokens": 1300, "prefix": 128, "chunk_pages": 5, "release_resume": True, "delay_s": 3},
         {"room": 113, "tokens": 700},
     ]
     prefill, decode = pair.run(requests)
