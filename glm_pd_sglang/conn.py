@@ -284,8 +284,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             return
         if tag == wire.TAG_DIGESTS:  # one per prefill rank this rank reads (several under layer split)
             digests = wire.parse(msg, wire.Digests)
-            if digests.room in self.request_status:
-                self._digests.setdefault(digests.room, []).append(digests)
+            with self._lock:  # against the receiver's clear: a room's digests never outlive it
+                if digests.room in self.request_status:
+                    self._digests.setdefault(digests.room, []).append(digests)
             return
         parsed = self.parse_kv_status_message(msg)
         if parsed is not None:

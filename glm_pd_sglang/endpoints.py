@@ -74,6 +74,13 @@ class GlmPdKVReceiver(CommonKVReceiver):
         self._pages = pages
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination, device_kv_indices)
 
+    def clear(self) -> None:
+        """SGLang's cleanup, and the room's digests: a room failed on another rank is never verified here."""
+        super().clear()
+        mgr: GlmPdKVManager = self.kv_mgr
+        with mgr._lock:
+            mgr._digests.pop(self.bootstrap_room, None)
+
     def poll(self) -> int:
         status = super().poll()
         mgr: GlmPdKVManager = self.kv_mgr
