@@ -8,6 +8,7 @@ so the final content check fails on any early read. Decode verifies prefill's di
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,6 +24,15 @@ def streamed_prefill(spec, **kw) -> Prefill:
     prefill = Prefill(spec, streamed=True, **kw)
     prefill.caches.write_tokens(prefill.table, 0, NUM_PAGES * PAGE_TOKENS, seed=STALE)
     return prefill
+
+
+@pytest.fixture
+def pair(small_spec) -> Iterator[tuple[Prefill, Decode]]:
+    """A streamed prefill and a decode, closed after the case."""
+    prefill, decode = streamed_prefill(small_spec), Decode(small_spec)
+    yield prefill, decode
+    decode.close()
+    prefill.close()
 
 
 def start(decode: Decode, prefill: Prefill, transfer: str, num_tokens: int, prefix_tokens: int = 0) -> LoadJob:
@@ -58,100 +68,80 @@ def landed(decode: Decode, upto: int, since: int = 0) -> bool:
 
 
 @pytest.mark.parametrize("prefix_pages", [0, 2])
-def test_chunks_land_while_prefill_runs_and_the_lease_brings_the_rest(small_spec, prefix_pages) -> None:
-    prefill, decode = streamed_prefill(small_spec), Decode(small_spec)
+def test_chunks_land_while_prefill_runs_and_the_lease_brings_the_rest(pair, prefix_pages) -> None:
+    prefill, decode = pair
     num_tokens, prefix = 9 * PAGE_TOKENS + 17, prefix_pages * PAGE_TOKENS
     decode.caches.write_tokens(np.arange(NUM_PAGES), 0, prefix, seed=HELD)
-    try:
-        prefill.service.open_stream("t1", num_tokens)
-        start(decode, prefill, "t1", num_tokens, prefix)
-        done = 0
-        for upto in (3 * PAGE_TOKENS + 5, 6 * PAGE_TOKENS, 8 * PAGE_TOKENS + 40):
-            step(prefill, "t1", done, upto)
-            whole = max(upto // PAGE_TOKENS * PAGE_TOKENS, prefix)
-            assert wait_for(lambda w=whole: landed(decode, w, prefix), bool, 10.0), f"tokens to {whole}"
-            done = upto
-        step(prefill, "t1", done, num_tokens)
-        assert not decode.service.results(), "the load ended before prefill finished"
-        finish(prefill, "t1", num_tokens)
-        result = result_of(decode)
-        assert result.ok, result.reason
-        wrong = decode.caches.mismatched_tokens(np.arange(NUM_PAGES), prefix, num_tokens, seed=SEED)
-        assert not wrong, wrong
-        assert prefill.finished("t1#0", 5.0).outcome == "released"
-        assert not decode.caches.mismatched_tokens(np.arange(NUM_PAGES), 0, prefix, seed=HELD), "prefix overwritten"
-        assert wait_for(prefill.service.leftovers, lambda h: h.items() >= NO_STREAMS.items(), 5.0).items() >= (
-            NO_STREAMS.items()
-        )
-    finally:
-        decode.close()
-        prefill.close()
+    prefill.service.open_stream("t1", num_tokens)
+    start(decode, prefill, "t1", num_tokens, prefix)
+    done = 0
+    for upto in (3 * PAGE_TOKENS + 5, 6 * PAGE_TOKENS, 8 * PAGE_TOKENS + 40):
+        step(prefill, "t1", done, upto)
+        whole = max(upto // PAGE_TOKENS * PAGE_TOKENS, prefix)
+        assert wait_for(lambda w=whole: landed(decode, w, prefix), bool, 10.0), f"tokens to {whole}"
+        done = upto
+    step(prefill, "t1", done, num_tokens)
+    assert not decode.service.results(), "the load ended before prefill finished"
+    finish(prefill, "t1", num_tokens)
+    result = result_of(decode)
+    assert result.ok, result.reason
+    wrong = decode.caches.mismatched_tokens(np.arange(NUM_PAGES), prefix, num_tokens, seed=SEED)
+    assert not wrong, wrong
+    assert prefill.finished("t1#0", 5.0).outcome == "released"
+    assert not decode.caches.mismatched_tokens(np.arange(NUM_PAGES), 0, prefix, seed=HELD), "prefix overwritten"
+    assert wait_for(prefill.service.leftovers, lambda h: h.items() >= NO_STREAMS.items(), 5.0).items() >= (
+        NO_STREAMS.items()
+    )
 
 
-def test_decode_subscribing_before_prefill_has_the_request_waits_for_it(small_spec) -> None:
-    prefill, decode = streamed_prefill(small_spec), Decode(small_spec)
+def test_decode_subscribing_before_prefill_has_the_request_waits_for_it(pair) -> None:
+    prefill, decode = pair
     num_tokens = 4 * PAGE_TOKENS
-    try:
-        start(decode, prefill, "early", num_tokens)
-        time.sleep(0.5)
-        prefill.service.open_stream("early", num_tokens)
-        step(prefill, "early", 0, num_tokens)
-        finish(prefill, "early", num_tokens)
-        result = result_of(decode)
-        assert result.ok, result.reason
-        assert landed(decode, num_tokens)
-    finally:
-        decode.close()
-        prefill.close()
+    start(decode, prefill, "early", num_tokens)
+    time.sleep(0.5)
+    prefill.service.open_stream("early", num_tokens)
+    step(prefill, "early", 0, num_tokens)
+    finish(prefill, "early", num_tokens)
+    result = result_of(decode)
+    assert result.ok, result.reason
+    assert landed(decode, num_tokens)
 
 
-def test_decode_giving_up_mid_stream_frees_prefills_lease_when_it_comes(small_spec) -> None:
-    prefill, decode = streamed_prefill(small_spec), Decode(small_spec)
+def test_decode_giving_up_mid_stream_frees_prefills_lease_when_it_comes(pair) -> None:
+    prefill, decode = pair
     num_tokens = 6 * PAGE_TOKENS
-    try:
-        prefill.service.open_stream("gone", num_tokens)
-        start(decode, prefill, "gone", num_tokens)
-        step(prefill, "gone", 0, 2 * PAGE_TOKENS)
-        assert wait_for(lambda: landed(decode, 2 * PAGE_TOKENS), bool, 10.0)
-        decode.service.cancel("gone")
-        result = result_of(decode)
-        assert not result.ok and result.code == "aborted", result
-        step(prefill, "gone", 2 * PAGE_TOKENS, num_tokens)
-        finish(prefill, "gone", num_tokens)
-        ended = prefill.finished("gone#0", 5.0)
-        assert ended is not None and ended.outcome == "aborted", "prefill kept the lease of a transfer decode left"
-        held = wait_for(prefill.service.leftovers, lambda h: h["leases"] + h["streams"] == 0, 5.0)
-        assert held["leases"] == 0 and held["streams"] == 0, held
-    finally:
-        decode.close()
-        prefill.close()
+    prefill.service.open_stream("gone", num_tokens)
+    start(decode, prefill, "gone", num_tokens)
+    step(prefill, "gone", 0, 2 * PAGE_TOKENS)
+    assert wait_for(lambda: landed(decode, 2 * PAGE_TOKENS), bool, 10.0)
+    decode.service.cancel("gone")
+    result = result_of(decode)
+    assert not result.ok and result.code == "aborted", result
+    step(prefill, "gone", 2 * PAGE_TOKENS, num_tokens)
+    finish(prefill, "gone", num_tokens)
+    ended = prefill.finished("gone#0", 5.0)
+    assert ended is not None and ended.outcome == "aborted", "prefill kept the lease of a transfer decode left"
+    held = wait_for(prefill.service.leftovers, lambda h: h["leases"] + h["streams"] == 0, 5.0)
+    assert held["leases"] == 0 and held["streams"] == 0, held
 
 
-def test_prefill_ending_the_request_fails_the_load_naming_why(small_spec) -> None:
-    prefill, decode = streamed_prefill(small_spec), Decode(small_spec)
-    try:
-        prefill.service.open_stream("preempted", 5 * PAGE_TOKENS)
-        start(decode, prefill, "preempted", 5 * PAGE_TOKENS)
-        step(prefill, "preempted", 0, 2 * PAGE_TOKENS)
-        prefill.service.end_stream("preempted", "preempted: its blocks were freed")
-        result = result_of(decode)
-        assert not result.ok and "preempted: its blocks were freed" in result.reason, result.reason
-        assert wait_for(prefill.service.leftovers, lambda h: h["streams"] == 0, 5.0)["streams"] == 0
-    finally:
-        decode.close()
-        prefill.close()
+def test_prefill_ending_the_request_fails_the_load_naming_why(pair) -> None:
+    prefill, decode = pair
+    prefill.service.open_stream("preempted", 5 * PAGE_TOKENS)
+    start(decode, prefill, "preempted", 5 * PAGE_TOKENS)
+    step(prefill, "preempted", 0, 2 * PAGE_TOKENS)
+    prefill.service.end_stream("preempted", "preempted: its blocks were freed")
+    result = result_of(decode)
+    assert not result.ok and "preempted: its blocks were freed" in result.reason, result.reason
+    assert wait_for(prefill.service.leftovers, lambda h: h["streams"] == 0, 5.0)["streams"] == 0
 
 
-def test_a_prompt_of_another_length_is_refused(small_spec) -> None:
-    prefill, decode = streamed_prefill(small_spec), Decode(small_spec)
-    try:
-        prefill.service.open_stream("other", 5 * PAGE_TOKENS)
-        start(decode, prefill, "other", 4 * PAGE_TOKENS)
-        result = result_of(decode)
-        assert not result.ok and "prompt has 320 tokens; decode's has 256" in result.reason, result.reason
-    finally:
-        decode.close()
-        prefill.close()
+def test_a_prompt_of_another_length_is_refused(pair) -> None:
+    prefill, decode = pair
+    prefill.service.open_stream("other", 5 * PAGE_TOKENS)
+    start(decode, prefill, "other", 4 * PAGE_TOKENS)
+    result = result_of(decode)
+    assert not result.ok and "prompt has 320 tokens; decode's has 256" in result.reason, result.reason
 
 
 def test_prefill_gone_mid_stream_fails_the_load_within_the_timeout(small_spec) -> None:
