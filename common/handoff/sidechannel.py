@@ -92,3 +92,12 @@ def recv_any(
         if time.monotonic() > deadline:
             raise SideChannelTimeout(f"no message from {[c.address for c in clients]} within {timeout_s:.1f} s")
         progress()
+
+
+def pending(clients: list[SideChannelClient]) -> list[tuple[int, protocol.Message]]:
+    """Every message already waiting on ``clients`` (index, message), in arrival order per client; never waits."""
+    out: list[tuple[int, protocol.Message]] = []
+    for i, client in enumerate(clients):
+        while client._sock.poll(0):
+            out.append((i, protocol.decode(client._sock.recv())))
+    return out
