@@ -407,18 +407,25 @@ class DecodeService:
                     feeds[i].take(msg, job.num_tokens)
                     heard.add(i)
                 for i in sorted(heard):
-                    read(i)
+                    if not feeds[i].lease_id:  # past the lease, the rest is read once the claim is on its way
+                        read(i)
             mark("stream")
             handoff.advance(HandoffState.TRANSFERRING)
             lease_ids = {f.lease_id for f in feeds}
             if len(lease_ids) != 1:
                 raise ProtocolError(f"prefill ranks named different leases {sorted(lease_ids)}")
+            claims = []
             for i, feed in enumerate(feeds):
                 if feed.reads:  # the claim covers the whole suffix: prefill's digests cover what streamed
                     plan = self._plan(job, peers[i].view, serving[feed.rank], result, feed.table)
-                    claim = self._claim(peers[i], plan, replace(job, stream_id="", remote_request_id=feed.lease_id))
-                    pieces.append((peers[i], plan, claim))
-                    read(i)
+                    sent = self._claim_of(plan, replace(job, stream_id="", remote_request_id=feed.lease_id))
+                    peers[i].client.send(sent)
+                    claims.append((i, plan, sent))
+            for i, _, _ in claims:  # the tail read and the claims' round trips overlap
+                read(i)
+            for i, plan, sent in claims:
+                answer = self._ask(peers[i], sent, feeds[i].lease_id, (protocol.Claimed,), send=False)
+                pieces.append((peers[i], plan, answer))
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
         self._count(result, posted, [(peer, plan) for peer, plan, _ in pieces])
@@ -468,7 +475,10 @@ class DecodeService:
         return known
 
     def _claim(self, peer: _Peer, plan: TransferPlan, job: LoadJob) -> protocol.Claimed:
-        claim = protocol.TransferRequest(
+        return self._ask(peer, self._claim_of(plan, job), job.lease_id, (protocol.Claimed,))
+
+    def _claim_of(self, plan: TransferPlan, job: LoadJob) -> protocol.TransferRequest:
+        return protocol.TransferRequest(
             v=PROTOCOL_VERSION,
             request_id=job.lease_id,
             num_tokens=job.num_tokens,
@@ -477,7 +487,6 @@ class DecodeService:
             dst_pages=plan.dst_pages.tolist(),
             verify=self.verify_digests,
         )
-        return self._ask(peer, claim, job.lease_id, (protocol.Claimed,))
 
     def _pull(self, pieces: list[tuple[_Peer, TransferPlan]], result: LoadResult, job: LoadJob) -> None:
         """Post every source's runs, then wait. Two batches per source, the first layer's and the rest: each batch
