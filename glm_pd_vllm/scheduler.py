@@ -234,6 +234,8 @@ class GlmPdScheduler:
 
     # -- prefill --------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        if self._refused_stream(request):
+            return False, None
         if request.request_id in self._pending:  # decode: aborted before allocation; let prefill free
             self._queue(request, [], read=False)
         elif request.request_id in self._waiting:  # aborted before vLLM ever asked the connector
@@ -252,6 +254,25 @@ class GlmPdScheduler:
                 self._meta.ended[stream.transfer_id] = f"prefill leased no blocks ({request.status.name})"
             return False, None
         return True, params_out
+
+    def _refused_stream(self, request: Request) -> bool:
+        """A streamed request this decode's API server refused (admission control: vLLM then submits a pre-aborted
+        stand-in so the connector frees what the request pinned). Its transfer is left alone: the router sends the
+        leg to another decode, which reads it, or ends prefill's leg, which ends the transfer. Freeing here would end
+        the transfer under the decode that takes it. A refused pull-mode request frees prefill's lease as vLLM
+        intends (its router re-runs prefill)."""
+        if not getattr(request, "abort_immediately", False):
+            return False
+        remote = self._waiting.get(request.request_id)
+        if not isinstance(remote, StreamParams):
+            return False
+        del self._waiting[request.request_id]
+        logger.info(
+            "GlmPdConnector: request %s refused before admission; streamed transfer %s is left to the router",
+            request.request_id,
+            remote.glm_pd_transfer_id,
+        )
+        return True
 
     def _lease(
         self, request: Request, block_ids: tuple[list[int], ...], stream: _Streaming | None

@@ -7,8 +7,12 @@ With ``--prefill-kv`` (both engines run GlmPdConnector with ``"streamed": true``
 carries a new transfer id, and decode's names the side channel of the prefill instance picked
 (``--prefill-kv``, one HOST:PORT per ``--prefill``: its ``side_channel_host`` and port), so decode reads the
 prompt's KV while prefill computes it. A failed prefill leg ends decode's (decode's load fails with it). Load is spread
-over several prefill and several decode instances (fewest requests in flight, ties in turn). Every upstream
-call is bounded; a bad upstream answer becomes an HTTP error that names the instance, never a hang.
+over several prefill and several decode instances (fewest requests in flight, ties in turn). A decode that answers
+503 (vLLM's admission control, ``--max-num-queued-reqs`` / ``--max-num-queued-tokens``: it cannot take the request
+now) is passed over in streamed mode for the next decode, under the same transfer (prefill's work stands until a
+decode takes it); the client gets the 503 when every decode refused. In pull mode the 503 goes to the client: vLLM
+frees prefill's blocks of a refused request, so no other decode could read them. Every upstream call is bounded; a
+bad upstream answer becomes an HTTP error that names the instance, never a hang.
 
 At scale, use a production router instead: llm-d (Kubernetes, KV-aware scheduling), NVIDIA Dynamo, or
 sglang-router in PD mode (for SGLang); this proxy is the reference for what they must forward.
@@ -73,9 +77,13 @@ class Pool:
         self._turn = itertools.count()
 
     def pick(self) -> Instance:
+        return self.ordered()[0]
+
+    def ordered(self) -> list[Instance]:
+        """Every instance, the one ``pick`` would take first, then the rest by requests in flight."""
         start = next(self._turn) % len(self.instances)
         ordered = self.instances[start:] + self.instances[:start]
-        return min(ordered, key=lambda i: i.in_flight)
+        return sorted(ordered, key=lambda i: i.in_flight)
 
 
 def _error_text(resp: httpx.Response) -> str:
@@ -150,10 +158,29 @@ def create_app(
             if stream:
                 await resp.aread()
                 await resp.aclose()
-            inst.failures += 1
-            status = resp.status_code if 400 <= resp.status_code < 500 else 502
+            status = resp.status_code if 400 <= resp.status_code < 500 or resp.status_code == 503 else 502
+            if status != 503:  # a full instance is not a failing one
+                inst.failures += 1
             raise UpstreamError(status, f"{pool.role} {inst.url} answered {resp.status_code}: {_error_text(resp)}")
         return resp
+
+    async def to_decode(
+        path: str, body: dict[str, Any], *, stream: bool, pass_over: bool
+    ) -> tuple[Instance, httpx.Response]:
+        """Decode's leg on the instance picked (counted in flight); with ``pass_over``, past one answering 503 the
+        next."""
+        refusals = []
+        for d in decode.ordered():
+            d.in_flight += 1
+            try:
+                return d, await call(decode, d, path, body, stream=stream)
+            except UpstreamError as exc:
+                d.in_flight -= 1
+                if exc.status != 503 or not pass_over:
+                    raise
+                logger.info("%s; trying the next decode instance", exc.message)
+                refusals.append(exc.message)
+        raise UpstreamError(503, f"every decode instance refused the request: {'; '.join(refusals)}")
 
     async def handle(request: Request, path: str, chat: bool) -> Response:
         try:
@@ -191,13 +218,7 @@ def create_app(
                 second = {**body, "kv_transfer_params": {**params, "prompt_token_ids": ids}}
             else:
                 second = {**body, "prompt": ids, "kv_transfer_params": params}
-            d = decode.pick()
-            d.in_flight += 1
-            try:
-                resp = await call(decode, d, path, second, stream=bool(body.get("stream")))
-            except UpstreamError:
-                d.in_flight -= 1
-                raise
+            d, resp = await to_decode(path, second, stream=bool(body.get("stream")), pass_over=False)
         except UpstreamError as exc:
             logger.warning("%s", exc.message)
             return exc.response()
@@ -219,7 +240,7 @@ def create_app(
     async def streamed(body: dict[str, Any], path: str, chat: bool) -> Response:
         """Both legs at once, one transfer id; a failed prefill leg ends decode's."""
         transfer_id = uuid.uuid4().hex
-        p, d = prefill.pick(), decode.pick()
+        p = prefill.pick()
         assert p.kv is not None
         host, port = p.kv
         params = {
@@ -232,11 +253,10 @@ def create_app(
         first = asyncio.create_task(prefill_leg(p, path, _prefill_body(body, chat, transfer_id)))
         legs.add(first)  # kept until it ends, even past decode's answer
         first.add_done_callback(legs.discard)
-        d.in_flight += 1
         try:
-            resp = await call(decode, d, path, {**body, "kv_transfer_params": params}, stream=bool(body.get("stream")))
+            leg = {**body, "kv_transfer_params": params}
+            d, resp = await to_decode(path, leg, stream=bool(body.get("stream")), pass_over=True)
         except UpstreamError as exc:
-            d.in_flight -= 1
             first.cancel()  # the prefill leg's work is for nobody now
             logger.warning("%s", exc.message)
             return exc.response()

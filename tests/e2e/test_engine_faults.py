@@ -86,7 +86,7 @@ def test_client_gone_while_waiting_for_blocks(engines: dict, pair: FaultPair) ->
     crowded(decode, held=2 * len(FILLERS[0]), waiting=len(BLOCKED))
     crowded(decode, held=2 * (len(FILLERS[0]) + FILLER_TOKENS), waiting=len(BLOCKED))  # to their last token
     offset = decode.log_size()
-    with proxy(pair.prefill, decode, engines["logs"]) as url:
+    with proxy(pair.prefill, [decode], engines["logs"]) as url:
         fillers = [Stream(url, request(model, p, FILLER_TOKENS, ignore_eos=True)) for p in FILLERS]
         all_streaming(fillers, decode, offset, 60, "both fillers stream")
         blocked = Stream(url, request(model, BLOCKED, ignore_eos=True))

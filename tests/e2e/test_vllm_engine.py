@@ -8,10 +8,15 @@ off on CPUs without AMX. Run by `make test` (`make test-engine`: natively, and w
 which makes every server see a CPU without AMX). Each server's worker has a core of its own (conftest.py).
 """
 
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 
 from tests.support.scenarios import INSIDE_BLOCK, MAX_TOKENS, SHARED, SHARED_PREFIX, SINGLE
-from tests.support.vllm_servers import NO_AMX, disaggregated, streamed
+from tests.support.vllm_faults import proxy
+from tests.support.vllm_servers import CORE, NO_AMX, START_S, Server, disaggregated, glm_pd_config, request, streamed
 
 ROW = 1152  # bf16 latent row: (512 + 64) x 2 B
 LAYERS = 3
@@ -81,3 +86,28 @@ def test_decode_prefix_hit_moves_only_the_suffix(engines) -> None:
     tokens, _, metrics = handoff(engines, again, stream=True)
     assert tokens == engines["reference"][f"shared-{len(SHARED) - 1}"]
     assert metrics["bytes_main"] == moved(engines, len(again), hit)
+
+
+def test_a_decode_that_cannot_take_a_streamed_request_refuses_and_the_proxy_moves_on(engines) -> None:
+    """vLLM's own admission control refuses at once: a decode started with ``--max-num-queued-reqs 0`` answers the
+    streamed leg 503 before any stream starts. pd_proxy (``--prefill-kv``) passes it over for the next decode under
+    the same transfer id, prefill's leg untouched, and the tokens equal the reference."""
+    if NO_AMX:
+        pytest.skip("admission does not depend on the CPU's ISA: the native pass covers it")
+    consumer = glm_pd_config("kv_consumer", streamed=True)
+    full = Server("decode-full", Path(engines["model"]), engines["logs"], "--kv-transfer-config", consumer,
+                  "--max-num-queued-reqs", "0", env={"VLLM_CPU_OMP_THREADS_BIND": CORE["decode"]})  # fmt: skip
+    try:
+        full.wait_ready(time.monotonic() + START_S)
+        offset = engines["decode"].log_size()
+        with proxy(engines["prefill"], [full, engines["decode"]], engines["logs"], engines["prefill_kv"]) as url:
+            answer = httpx.post(url + "/v1/completions", json=request(engines["model"], SINGLE[97]), timeout=300)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["token_ids"] == engines["reference"]["single-97"]
+        metrics = engines["decode"].transfer_metrics(offset, loads=1)
+        assert metrics["loads_ok"] == 1 and metrics.get("loads_failed", 0) == 0
+        log = full.log.read_text()
+        assert '"POST /v1/completions HTTP/1.1" 503' in log, "the full decode never refused the leg"
+        assert "is left to the router" in log, "vLLM's pre-aborted stand-in never reached the refusing connector"
+    finally:
+        full.stop()

@@ -99,8 +99,10 @@ class Decode:
             body = await request.json()
             self.seen.append(body)
             self.arrived.append(time.monotonic())
-            if self.mode == "503":
-                return JSONResponse({"error": {"message": "KV load failed"}}, 503)
+            if self.mode == "500":
+                return JSONResponse({"error": {"message": "KV load failed"}}, 500)
+            if self.mode == "busy":  # vLLM's admission control (--max-num-queued-reqs) refusing a request
+                return JSONResponse({"error": {"message": "The engine is currently busy"}}, 503)
             text = f"{self.name}:{len(body['prompt'])}"
             if not body.get("stream"):
                 return JSONResponse({"id": "cmpl-d", "choices": [{"index": 0, "text": text}]})
@@ -202,9 +204,10 @@ def test_bad_prefill_answers_become_clear_errors(
 
 def test_bad_decode_answers_become_clear_errors(cluster: dict[str, Any]) -> None:
     for d in cluster["decodes"]:
-        d.mode = "503"
+        d.mode = "500"
     resp = post(cluster, {"prompt": "x"})
-    assert resp.status_code == 502 and "answered 503: KV load failed" in resp.json()["error"]["message"]
+    assert resp.status_code == 502 and "answered 500: KV load failed" in resp.json()["error"]["message"]
+    assert sum(len(d.seen) for d in cluster["decodes"]) == 1, "a failing decode is not a full one: no second try"
     for d in cluster["decodes"]:
         cluster["servers"][id(d)].stop()
     resp = post(cluster, {"prompt": "x"})
@@ -219,6 +222,18 @@ def test_decode_breaking_off_a_stream_ends_it_with_an_error(cluster: dict[str, A
     assert "broke off the stream" in lines[-1]
     health = httpx.get(cluster["proxy"] + "/health").json()
     assert all(i["in_flight"] == 0 for i in health["decode"] + health["prefill"])
+
+
+def test_a_refusing_decode_in_pull_mode_is_the_clients_503(cluster: dict[str, Any]) -> None:
+    """vLLM frees prefill's blocks of a request a decode refused: no other decode could read them, so the 503 (retry
+    later) goes to the client, and the instance is not counted as failing."""
+    for d in cluster["decodes"]:
+        d.mode = "busy"
+    resp = post(cluster, {"prompt": "ab"})
+    assert resp.status_code == 503 and "currently busy" in resp.json()["error"]["message"], resp.text
+    assert sum(len(d.seen) for d in cluster["decodes"]) == 1
+    health = httpx.get(cluster["proxy"] + "/health").json()
+    assert all(i["in_flight"] == 0 and i["failures"] == 0 for i in health["decode"])
 
 
 def test_bad_client_requests(cluster: dict[str, Any]) -> None:
@@ -266,6 +281,41 @@ def test_streamed_mode_reports_a_failed_prefill_leg(streamed_cluster: dict[str, 
     prefill.mode = "500"
     resp = httpx.post(streamed_cluster["proxy"] + "/v1/completions", json={"prompt": "x"}, timeout=20)
     assert resp.status_code == 502 and "answered 500: CUDA out of memory" in resp.json()["error"]["message"]
+
+
+def test_streamed_mode_passes_a_refusing_decode_over_under_the_same_transfer(streamed_cluster: dict[str, Any]) -> None:
+    """The second decode reads the transfer the first refused: one prefill leg, one transfer id, never cancelled."""
+    (prefill,), (decode,) = streamed_cluster["prefills"], streamed_cluster["decodes"]
+    spare = Decode("d1")
+    server = Server(spare.app)
+    decode.mode = "busy"
+    kv = [("10.0.0.7", 5710)]
+    servers = streamed_cluster["servers"]
+    app = pd_proxy.create_app(
+        [servers[id(prefill)].url], [servers[id(decode)].url, server.url], timeout_s=5.0, prefill_kv=kv
+    )
+    proxy = Server(app)
+    try:
+        with httpx.stream("POST", proxy.url + "/v1/completions", json={"prompt": "abc", "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and "d1:" in "".join(lines)
+        deadline = time.monotonic() + 5
+        while not prefill.answered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(prefill.seen) == 1 and prefill.answered, "prefill's leg was cancelled or sent twice"
+        ids = {d.seen[0]["kv_transfer_params"]["glm_pd_transfer_id"] for d in (decode, spare)}
+        assert ids == {prefill.seen[0]["kv_transfer_params"]["glm_pd_transfer_id"]}
+    finally:
+        proxy.stop()
+        server.stop()
+
+
+def test_streamed_mode_answers_503_when_every_decode_refuses(streamed_cluster: dict[str, Any]) -> None:
+    (decode,) = streamed_cluster["decodes"]
+    decode.mode = "busy"
+    resp = httpx.post(streamed_cluster["proxy"] + "/v1/completions", json={"prompt": "x"}, timeout=20)
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["message"].startswith("every decode instance refused the request: decode http")
 
 
 def test_prefill_kv_must_name_one_address_per_prefill() -> None:

@@ -199,6 +199,15 @@ class Engine:
         self.tracked[rid] = Tracked(segments)
         self.scheduler.add_request(request)
 
+    def refuse(self, rid: str, params: dict) -> None:
+        """The API server refused a request (admission control) and frees what it pinned the way vLLM does: a
+        one-token stand-in marked ``abort_immediately`` (AsyncLLM.notify_kv_transfer_request_rejected), added
+        and aborted at once (EngineCore.add_request)."""
+        sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": dict(params)})
+        request = Request(rid, [0], sampling, None, block_hasher=self._hasher, abort_immediately=True)
+        self.scheduler.add_request(request)
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
     def abort(self, rid: str) -> None:
         """A client disconnect: the API server asks EngineCore to abort the request."""
         self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)

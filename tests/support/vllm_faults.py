@@ -132,10 +132,14 @@ class Stream:
 
 
 @contextmanager
-def proxy(prefill: Server, decode: Server, log_dir: Path) -> Iterator[str]:
-    """recipes/router/pd_proxy.py in a process of its own in front of one prefill and one decode; its URL."""
+def proxy(
+    prefill: Server, decodes: list[Server], log_dir: Path, prefill_kv: tuple[str, int] | None = None
+) -> Iterator[str]:
+    """recipes/router/pd_proxy.py in a process of its own in front of one prefill and ``decodes`` (tried in that
+    order first), streamed with ``prefill_kv`` (prefill's side channel); its URL."""
     port = free_port()
-    cmd = [sys.executable, str(PROXY), "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)]
+    cmd = [sys.executable, str(PROXY), "--prefill", prefill.url, "--decode", *(d.url for d in decodes)]
+    cmd += ["--port", str(port), *(["--prefill-kv", f"{prefill_kv[0]}:{prefill_kv[1]}"] if prefill_kv else [])]
     with (log_dir / "pd_proxy.log").open("a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -292,6 +292,32 @@ def test_a_streamed_request_is_read_while_prefill_computes_it(pair) -> None:
     settled(prefill, decode)
 
 
+def test_a_refused_streamed_request_leaves_its_transfer_to_the_decode_that_takes_it(pair) -> None:
+    """A decode's API server refuses a streamed leg (admission control, 503) and vLLM hands the connector a
+    pre-aborted stand-in to free what the request pinned. The transfer must stay open: the router sends the leg to
+    another decode (here the same engine stands in for it), which reads it; before, the stand-in's release ended the
+    transfer ("decode needs none of its bytes") and that load failed. A refused pull-mode request still frees
+    prefill's lease."""
+    streamed = {"extra": {"streamed": True}}
+    prefill, decode = pair(32 * 64, streamed, **streamed)
+    port = prefill.connector._scheduler.port
+    prompt, segments = list(range(7000, 7000 + PROMPT)), [(PROMPT, 43)]
+    prefill.add("S", prompt, segments, {"do_remote_decode": True, "glm_pd_transfer_id": "tx-R"})
+    params = {"do_remote_prefill": True, "glm_pd_protocol": PROTOCOL_VERSION, "glm_pd_transfer_id": "tx-R",
+              "remote_host": "127.0.0.1", "remote_port": port}  # fmt: skip
+    decode.refuse("refused-S", params)
+    assert "refused-S" not in decode.scheduler.requests
+    decode.add("S", prompt, segments, params, max_tokens=3)
+    both(prefill, decode, lambda: decode.tracked["S"].finish is not None)
+    s = decode.tracked["S"]
+    assert s.finish == "length" and s.mismatched == [] and decode.reported_failed == set(), s
+    settled(prefill, decode)
+    pulled = list(range(9000, 9000 + PROMPT))
+    decode.refuse("refused-P", prefilled(prefill, "P", pulled, [(PROMPT, 44)]))
+    settled(prefill, decode)
+    assert prefill.counts.get("prefill_released") == 2, prefill.counts  # S after its load, P on the refusal
+
+
 def test_prefill_knows_a_streamed_transfer_before_its_first_forward(pair) -> None:
     """vLLM calls ``start_load_kv`` only once the step's forward is launched (on CPU, once it has run): a decode
     that subscribed first must not wait that long for prefill to know the transfer (a first step longer than
