@@ -2,7 +2,7 @@
 vLLM's own scheduler and block pool, NIXL on loopback): per case, the bytes moved by kind, the transfer runs,
 and how many prompts decode to exactly the monolithic run's tokens. The indexer-dropped case is the negative
 control (tokens must differ).
-Prints a table, writes JSON. Run in the vLLM venv: ``$(cat .venv-vllm-path)/bin/python benchmarks/e2e_report.py``.
+Prints a table, writes JSON. Run in the vLLM venv: ``$(cat .venv-vllm-path)/bin/python -m benchmarks.e2e_report``.
 """
 
 from __future__ import annotations

