@@ -261,7 +261,7 @@ class GlmPdScheduler:
         leg to another decode, which reads it, or ends prefill's leg, which ends the transfer. Freeing here would end
         the transfer under the decode that takes it. A refused pull-mode request frees prefill's lease as vLLM
         intends (its router re-runs prefill)."""
-        if not getattr(request, "abort_immediately", False):
+        if not request.abort_immediately:
             return False
         remote = self._waiting.get(request.request_id)
         if not isinstance(remote, StreamParams):

@@ -26,16 +26,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import xxhash
 
-from glm_pd_common.errors import ConfigError, GlmPdError, LayoutMismatch, ProtocolError
+from glm_pd_common.errors import GlmPdError, ProtocolError
 from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.feeds import Feed
 from glm_pd_common.handoff.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
-from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.peer import Endpoint, PeerView
+from glm_pd_common.handoff.prefill_links import PrefillLink, PrefillLinks
 from glm_pd_common.handoff.protocol import MAX_RENEW_IDS, PROTOCOL_VERSION
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.sidechannel import SideChannelClient, pending, recv_any
@@ -55,14 +56,6 @@ logger = logging.getLogger(__name__)
 LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
 _MAX_REMEMBERED_ENGINES = 4096
 _MAX_CANCELLED = 4096  # cancelled request ids kept for loads that have not looked yet
-
-
-@dataclass
-class _Peer:
-    client: SideChannelClient
-    view: PeerView
-    agent: str
-    engine: str  # the prefill engine's address: its lane is the only thread touching ``client``
 
 
 class _Batches(list[Transfer]):
@@ -104,7 +97,7 @@ class DecodeService:
         self.verify_digests = verify_digests
         self.heartbeat_s = heartbeat_s
         self._beats = 0
-        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._links = PrefillLinks(local, timeout_s, self._progress)
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._lanes: list[queue.SimpleQueue[LoadJob | _Wake | None]] = [queue.SimpleQueue() for _ in range(lanes)]
         self._lane_of: dict[str, int] = {}  # prefill engine (rank 0's address) -> its lane, first come first served
@@ -114,7 +107,6 @@ class DecodeService:
         self._lock = threading.Lock()
         self._here = threading.local()  # ``lane``: which lane the calling service thread is
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # under ``_lock``
-        self._discovered: dict[tuple[str, int], RemotePrefill] = {}  # streamed params' host:port -> prefill
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=f"glm-pd-decode-{local.engine_id}-{i}", daemon=True)
             for i in range(lanes)
@@ -163,7 +155,7 @@ class DecodeService:
         return {
             "queued": sum(lane.qsize() for lane in self._lanes),
             "results": self._results.qsize(),
-            "prefill_peers": len(self._peers),
+            "prefill_peers": len(self._links),
             "transport_peers": len(self.local.transport.remote_peers()),
             "lanes_assigned": len(self._lane_of),
         }
@@ -174,9 +166,7 @@ class DecodeService:
         deadline = time.monotonic() + self.timeout_s + 5
         for thread in self._threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.1))
-        for peer in self._peers.values():
-            peer.client.close()
-        self._peers.clear()
+        self._links.close()
 
     # -- the service thread -----------------------------------------------------------------------
     def _run(self, lane: int) -> None:
@@ -213,19 +203,19 @@ class DecodeService:
                 self._defer(lane, placeholder, ids)
                 continue
             try:
-                remote = self._known(placeholder)
+                remote = self._links.known(placeholder)
                 ranks = release_set(self.local.shape.tp_rank, *self._layouts(remote))
             except GlmPdError as exc:
                 logger.warning(
                     "glm-pd decode: cannot renew %d lease(s) on %s: %s", len(batch), placeholder.engine_id, exc
                 )
                 continue
-            if not connect and any((remote.engine_id, rank) not in self._peers for rank in ranks):
+            if not connect and any(self._links.connected(remote, rank) is None for rank in ranks):
                 self._defer(lane, remote, ids)
                 continue
             for rank in ranks:
                 try:
-                    peer = self._peer(remote, rank)
+                    peer = self._links.get(remote, rank)
                     for start in range(0, len(batch), MAX_RENEW_IDS):
                         chunk = batch[start : start + MAX_RENEW_IDS]
                         peer.client.send(protocol.Renew(v=PROTOCOL_VERSION, request_ids=chunk))
@@ -252,7 +242,7 @@ class DecodeService:
         mark("queued")
         lease_id = job.lease_id
         try:
-            remote = self._known(remote)
+            remote = self._links.known(remote)
             prefill, decode = self._layouts(remote)
             me = self.local.shape.tp_rank
             group = release_set(me, prefill, decode)
@@ -262,7 +252,7 @@ class DecodeService:
             elif job.read:
                 pieces = []
                 for source in sources(me, prefill, decode):
-                    peer = self._peer(remote, source.rank)
+                    peer = self._links.get(remote, source.rank)
                     table = block_pages(job.remote_pages, peer.view.shape.pages_per_block, side="prefill")
                     pieces.append((peer, self._plan(job, peer.view, source, result, table)))
                 mark("handshake")
@@ -294,7 +284,7 @@ class DecodeService:
             handoff.fail(reason)
             result.reason, result.code = reason, failure_code(exc)
             self._abort(remote, group, job.lease_id, reason)  # a streamed load: its transfer id
-            self._forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
+            self._links.forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
         finally:
             with self._lock:
                 self._cancelled.pop(job.request_id, None)
@@ -367,14 +357,14 @@ class DecodeService:
         me = self.local.shape.tp_rank
         serving = {s.rank: s for s in sources(me, *self._layouts(remote))}
         feeds = [Feed(rank, rank in serving, job.prefix_tokens) for rank in group]
-        peers = [self._peer(remote, f.rank) for f in feeds]
+        peers = [self._links.get(remote, f.rank) for f in feeds]
         align = token_shard(me, self.local.shape.sharding).table_tokens(self.local.shape.page_tokens)
         mark("handshake")
         subscribe = protocol.Subscribe(v=PROTOCOL_VERSION, request_id=job.lease_id, num_tokens=job.num_tokens)
         for peer in peers:
             peer.client.send(subscribe)
         handoff.advance(HandoffState.WAITING_FOR_INPUT)
-        pieces: list[tuple[_Peer, TransferPlan, protocol.Claimed]] = []
+        pieces: list[tuple[PrefillLink, TransferPlan, protocol.Claimed]] = []
         t0 = time.perf_counter()
         posted = self._posted()
 
@@ -386,13 +376,13 @@ class DecodeService:
                     posted.append(self.local.transport.post_plan(peers[i].agent, plan, "READ"))
                 feeds[i].read_to = span[1]
 
+        clients = [p.client for p in peers]
         with posted:
             beat = time.monotonic()
             while not all(f.lease_id for f in feeds):
                 if time.monotonic() - beat > self.heartbeat_s:  # prefill forgets a decode silent too long
                     beat = time.monotonic()
-                    self._beat([p.client for p in peers])
-                clients = [p.client for p in peers]
+                    self._beat(clients)
                 first = recv_any(clients, self.timeout_s, self._progress_or_cancel(job))
                 heard = set()
                 # What queued up while the last read was posted is read as one batch: each batch costs a
@@ -424,7 +414,7 @@ class DecodeService:
             for i, _, _ in claims:  # the tail read and the claims' round trips overlap
                 read(i)
             for i, plan, sent in claims:
-                answer = self._ask(peers[i], sent, feeds[i].lease_id, (protocol.Claimed,), send=False)
+                answer = self._links.ask(peers[i], sent, feeds[i].lease_id, (protocol.Claimed,), send=False)
                 pieces.append((peers[i], plan, answer))
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
@@ -450,32 +440,8 @@ class DecodeService:
         for client in clients:
             client.send(protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats))
 
-    def _known(self, remote: RemotePrefill) -> RemotePrefill:
-        """A streamed request's params name prefill's host and port only: rank 0's hello says the rest."""
-        if remote.tp_size:
-            return remote
-        key = (remote.host, remote.base_port)
-        with self._lock:
-            known = self._discovered.get(key)
-        if known is not None:
-            return known
-        client = SideChannelClient(remote.host, remote.base_port)
-        try:
-            client.send(protocol.Query(v=PROTOCOL_VERSION, engine_id=self.local.engine_id))
-            reply = client.recv(self.timeout_s)
-        finally:
-            client.close()
-        if isinstance(reply, protocol.Failed):
-            raise Refused(f"prefill at {client.address} refused: {reply.reason}", reply.code)
-        if not isinstance(reply, protocol.Hello) or reply.shape.tp_rank != 0:
-            raise ProtocolError(f"{client.address} is not a prefill's rank 0 (it answered {type(reply).__name__})")
-        known = RemotePrefill(reply.engine_id, remote.host, remote.base_port, reply.shape.tp_size, reply.shape.sharding)
-        with self._lock:
-            self._discovered[key] = known
-        return known
-
-    def _claim(self, peer: _Peer, plan: TransferPlan, job: LoadJob) -> protocol.Claimed:
-        return self._ask(peer, self._claim_of(plan, job), job.lease_id, (protocol.Claimed,))
+    def _claim(self, peer: PrefillLink, plan: TransferPlan, job: LoadJob) -> protocol.Claimed:
+        return self._links.ask(peer, self._claim_of(plan, job), job.lease_id, (protocol.Claimed,))
 
     def _claim_of(self, plan: TransferPlan, job: LoadJob) -> protocol.TransferRequest:
         return protocol.TransferRequest(
@@ -488,7 +454,7 @@ class DecodeService:
             verify=self.verify_digests,
         )
 
-    def _pull(self, pieces: list[tuple[_Peer, TransferPlan]], result: LoadResult, job: LoadJob) -> None:
+    def _pull(self, pieces: list[tuple[PrefillLink, TransferPlan]], result: LoadResult, job: LoadJob) -> None:
         """Post every source's runs, then wait. Two batches per source, the first layer's and the rest: each batch
         costs a post and a completion to poll, and nothing on decode uses a layer before the whole load is in
         (79 per-layer batches reached 78 % of one batch's rate, ``benchmarks/posting_bench.py``); the first
@@ -513,7 +479,7 @@ class DecodeService:
         return _Batches(self.local.transport)
 
     @staticmethod
-    def _count(result: LoadResult, posted: list[Transfer], pieces: list[tuple[_Peer, TransferPlan]]) -> None:
+    def _count(result: LoadResult, posted: list[Transfer], pieces: list[tuple[PrefillLink, TransferPlan]]) -> None:
         # What moved is what the transport reported finished, not what the plan says it would move.
         moved = {"main": 0, "indexer": 0}
         for xfer in posted:
@@ -526,10 +492,10 @@ class DecodeService:
                 runs[kind] += n
         result.runs, result.runs_by_kind, result.batches = sum(runs.values()), runs, len(posted)
 
-    def _verify(self, peer: _Peer, plan: TransferPlan, digests: list[int], request_id: str) -> None:
+    def _verify(self, peer: PrefillLink, plan: TransferPlan, digests: list[int], request_id: str) -> None:
         def page_digests_of(regions: list[int]) -> dict[int, list[int]]:
             query = protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=request_id, region_indices=regions)
-            return self._ask(peer, query, request_id, (protocol.PageDigests,)).pages
+            return self._links.ask(peer, query, request_id, (protocol.PageDigests,)).pages
 
         check_landed(plan, digests, page_digests_of, self.local.memory)
 
@@ -541,8 +507,8 @@ class DecodeService:
         done = protocol.Done(v=PROTOCOL_VERSION, request_id=request_id)
         for rank in group:
             try:
-                peer = self._peer(remote, rank)
-                self._ask(peer, done, request_id, (protocol.Released,), send=fault != "lose_release")
+                peer = self._links.get(remote, rank)
+                self._links.ask(peer, done, request_id, (protocol.Released,), send=fault != "lose_release")
                 if fault == "duplicate_release":
                     peer.client.send(done)
             except GlmPdError:
@@ -555,10 +521,10 @@ class DecodeService:
     ) -> None:
         """Tell every prefill rank holding the request to free it (``connect``: handshaking where needed)."""
         for rank in group:
-            peer = self._peers.get((remote.engine_id, rank))
+            peer = self._links.connected(remote, rank)
             if peer is None and connect:
                 try:
-                    peer = self._peer(remote, rank)
+                    peer = self._links.get(remote, rank)
                 except GlmPdError as exc:
                     logger.warning("glm-pd decode: prefill rank %d not told to drop %s: %s", rank, request_id, exc)
             if peer is not None:
@@ -566,7 +532,7 @@ class DecodeService:
 
     def _heartbeat(self, lane: int) -> None:
         """Tell this lane's prefill peers we are alive (an idle connection looks like a gone one)."""
-        for peer in list(self._peers.values()):
+        for peer in self._links.all():
             if self._lane_of.get(peer.engine, _hash_lane(peer.engine, len(self._lanes))) == lane:
                 self._beats += 1
                 peer.client.send(
@@ -591,62 +557,6 @@ class DecodeService:
             else:
                 lane = _hash_lane(engine, len(self._lanes))
         return lane
-
-    def _forget(self, remote: RemotePrefill) -> None:
-        with self._lock:
-            for key in [k for k, v in self._discovered.items() if v.engine_id == remote.engine_id]:
-                del self._discovered[key]  # it may have restarted under another id or shape
-        for key in [k for k in list(self._peers) if k[0] == remote.engine_id]:  # other lanes add theirs
-            peer = self._peers.pop(key)
-            peer.client.close()
-            self.local.transport.remove_peer(peer.agent)
-
-    def _peer(self, remote: RemotePrefill, rank: int) -> _Peer:
-        key = (remote.engine_id, rank)
-        if key in self._peers:
-            return self._peers[key]
-        client = SideChannelClient(remote.host, remote.base_port + rank)
-        try:
-            client.send(self.local.hello(self.local.transport.metadata()))
-            reply = client.recv(self.timeout_s, progress=self._progress)
-            if isinstance(reply, protocol.Failed):
-                raise Refused(
-                    f"prefill {remote.engine_id} rank {rank} refused the handshake: {reply.reason}", reply.code
-                )
-            if not isinstance(reply, protocol.Hello):
-                raise ProtocolError(f"prefill {remote.engine_id} rank {rank} answered {type(reply).__name__}")
-            try:
-                view = accept_hello(
-                    self.local.spec, reply, backend=self.local.transport.backend, role="prefill", local_role="decode"
-                )
-            except (LayoutMismatch, ProtocolError, ConfigError) as exc:  # its hello, not the request, is wrong
-                raise Refused(str(exc), "refused_peer") from exc
-            if view.engine_id != remote.engine_id or view.shape.tp_rank != rank:
-                raise ProtocolError(
-                    f"{remote.host}:{remote.base_port + rank} is {view.engine_id} rank "
-                    f"{view.shape.tp_rank}, not {remote.engine_id} rank {rank}"
-                )
-            agent = self.local.transport.add_peer(view.agent_metadata, view.spans)
-        except Exception:
-            client.close()
-            raise
-        self._peers[key] = _Peer(client, view, agent, remote.address)
-        return self._peers[key]
-
-    def _ask(self, peer: _Peer, msg: protocol.Message, request_id: str, want: tuple[type, ...], *, send: bool = True):
-        """Send and wait for this request's answer (a late answer to an earlier request is skipped)."""
-        if send:
-            peer.client.send(msg)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            reply = peer.client.recv(max(deadline - time.monotonic(), 0.001), progress=self._progress)
-            if getattr(reply, "request_id", None) != request_id:
-                continue
-            if isinstance(reply, protocol.Failed):
-                raise Refused(f"prefill {peer.view.engine_id} refused {type(msg).__name__}: {reply.reason}", reply.code)
-            if isinstance(reply, want):
-                return reply
-            raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")
 
 
 def _hash_lane(engine: str, lanes: int) -> int:

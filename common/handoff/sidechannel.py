@@ -71,6 +71,13 @@ class SideChannelClient:
             progress()
         return protocol.decode(self._sock.recv())
 
+    def waiting(self) -> list[protocol.Message]:
+        """Every message that has already arrived, in order; never waits."""
+        out = []
+        while self._sock.poll(0):
+            out.append(protocol.decode(self._sock.recv()))
+        return out
+
     def close(self) -> None:
         self._sock.close(0)
         self._ctx.term()
@@ -96,8 +103,4 @@ def recv_any(
 
 def pending(clients: list[SideChannelClient]) -> list[tuple[int, protocol.Message]]:
     """Every message already waiting on ``clients`` (index, message), in arrival order per client; never waits."""
-    out: list[tuple[int, protocol.Message]] = []
-    for i, client in enumerate(clients):
-        while client._sock.poll(0):
-            out.append((i, protocol.decode(client._sock.recv())))
-    return out
+    return [(i, msg) for i, client in enumerate(clients) for msg in client.waiting()]

@@ -1,0 +1,141 @@
+"""Decode's connections to prefill ranks: handshake, discovery of a streamed prefill's shape, asking and waiting.
+
+One ``PrefillLink`` per (prefill engine, rank): a side-channel client, the validated hello and the transport
+agent loaded from it. A link's client is touched only by the decode lane of its engine (``engine``); the table
+itself is shared, and ``forget`` drops every rank of an engine (other lanes may add theirs meanwhile).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from glm_pd_common.errors import ConfigError, LayoutMismatch, ProtocolError
+from glm_pd_common.handoff import protocol
+from glm_pd_common.handoff.loads import Refused, RemotePrefill
+from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.sidechannel import SideChannelClient
+
+
+@dataclass
+class PrefillLink:
+    client: SideChannelClient
+    view: PeerView
+    agent: str
+    engine: str  # the prefill engine's address: its lane is the only thread touching ``client``
+
+
+class PrefillLinks:
+    """The links a decode rank holds; ``progress`` runs while a wait blocks (the transport's progress)."""
+
+    def __init__(self, local: Endpoint, timeout_s: float, progress: Callable[[], None]) -> None:
+        self.local = local
+        self.timeout_s = timeout_s
+        self._progress = progress
+        self._links: dict[tuple[str, int], PrefillLink] = {}
+        self._discovered: dict[tuple[str, int], RemotePrefill] = {}  # streamed params' host:port -> prefill
+        self._lock = threading.Lock()  # ``_discovered``: any lane may learn or forget a prefill
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def all(self) -> list[PrefillLink]:
+        return list(self._links.values())
+
+    def connected(self, remote: RemotePrefill, rank: int) -> PrefillLink | None:
+        """The link to ``rank`` of ``remote`` if it is up; never handshakes."""
+        return self._links.get((remote.engine_id, rank))
+
+    def get(self, remote: RemotePrefill, rank: int) -> PrefillLink:
+        """The link to ``rank`` of ``remote``, handshaking first when there is none (a refused hello names why)."""
+        key = (remote.engine_id, rank)
+        if key in self._links:
+            return self._links[key]
+        client = SideChannelClient(remote.host, remote.base_port + rank)
+        try:
+            client.send(self.local.hello(self.local.transport.metadata()))
+            reply = client.recv(self.timeout_s, progress=self._progress)
+            if isinstance(reply, protocol.Failed):
+                raise Refused(
+                    f"prefill {remote.engine_id} rank {rank} refused the handshake: {reply.reason}", reply.code
+                )
+            if not isinstance(reply, protocol.Hello):
+                raise ProtocolError(f"prefill {remote.engine_id} rank {rank} answered {type(reply).__name__}")
+            try:
+                view = accept_hello(
+                    self.local.spec, reply, backend=self.local.transport.backend, role="prefill", local_role="decode"
+                )
+            except (LayoutMismatch, ProtocolError, ConfigError) as exc:  # its hello, not the request, is wrong
+                raise Refused(str(exc), "refused_peer") from exc
+            if view.engine_id != remote.engine_id or view.shape.tp_rank != rank:
+                raise ProtocolError(
+                    f"{remote.host}:{remote.base_port + rank} is {view.engine_id} rank "
+                    f"{view.shape.tp_rank}, not {remote.engine_id} rank {rank}"
+                )
+            agent = self.local.transport.add_peer(view.agent_metadata, view.spans)
+        except Exception:
+            client.close()
+            raise
+        self._links[key] = PrefillLink(client, view, agent, remote.address)
+        return self._links[key]
+
+    def known(self, remote: RemotePrefill) -> RemotePrefill:
+        """A streamed request's params name prefill's host and port only: rank 0's hello says the rest."""
+        if remote.tp_size:
+            return remote
+        key = (remote.host, remote.base_port)
+        with self._lock:
+            known = self._discovered.get(key)
+        if known is not None:
+            return known
+        client = SideChannelClient(remote.host, remote.base_port)
+        try:
+            client.send(protocol.Query(v=PROTOCOL_VERSION, engine_id=self.local.engine_id))
+            reply = client.recv(self.timeout_s)
+        finally:
+            client.close()
+        if isinstance(reply, protocol.Failed):
+            raise Refused(f"prefill at {client.address} refused: {reply.reason}", reply.code)
+        if not isinstance(reply, protocol.Hello) or reply.shape.tp_rank != 0:
+            raise ProtocolError(f"{client.address} is not a prefill's rank 0 (it answered {type(reply).__name__})")
+        known = RemotePrefill(reply.engine_id, remote.host, remote.base_port, reply.shape.tp_size, reply.shape.sharding)
+        with self._lock:
+            self._discovered[key] = known
+        return known
+
+    def forget(self, remote: RemotePrefill) -> None:
+        """Drop every link to ``remote`` and what was learnt of it: it may have restarted under another id or shape."""
+        with self._lock:
+            for key in [k for k, v in self._discovered.items() if v.engine_id == remote.engine_id]:
+                del self._discovered[key]
+        for key in [k for k in list(self._links) if k[0] == remote.engine_id]:  # other lanes add theirs
+            link = self._links.pop(key)
+            link.client.close()
+            self.local.transport.remove_peer(link.agent)
+
+    def ask(
+        self, link: PrefillLink, msg: protocol.Message, request_id: str, want: tuple[type, ...], *, send: bool = True
+    ) -> Any:
+        """Send (unless sent already) and wait for this request's answer; a late answer to an earlier request is
+        skipped, a ``Failed`` one raises ``Refused`` with prefill's reason."""
+        if send:
+            link.client.send(msg)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            reply = link.client.recv(max(deadline - time.monotonic(), 0.001), progress=self._progress)
+            if getattr(reply, "request_id", None) != request_id:
+                continue
+            if isinstance(reply, protocol.Failed):
+                raise Refused(f"prefill {link.view.engine_id} refused {type(msg).__name__}: {reply.reason}", reply.code)
+            if isinstance(reply, want):
+                return reply
+            raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.client.close()
+        self._links.clear()
