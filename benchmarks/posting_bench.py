@@ -1,14 +1,17 @@
 """How close glm-pd's service path gets to raw NIXL on the same bytes, pull and streamed, in one run.
 
 One GLM-5.3 request (``--tokens``, shuffled page tables, 64-token pages) between a prefill and a decode NIXL agent
-on loopback, with the services between them. Each repetition runs, in turn:
+on loopback, with the services between them. Each repetition runs three cases, in an order that rotates from one
+repetition to the next (no case always runs first, or always right after another's copy), each after the same
+pause:
 - ``raw``: the whole plan posted by decode's transport as one batch and waited for (the transport's best case);
 - ``pull``: a decode load through ``DecodeService`` against ``PrefillService`` (verification off): the figure is
   the load's own read time (posting every batch and waiting), bytes from what the transport reported done;
 - ``streamed``: the same request streamed in ``--chunks`` announcements 1 ms apart (faster than the link drains
   them), then the lease: the time from the first announcement to the last byte read, so what differs from pull
   is the posting (a batch per announcement), not prefill's compute.
-The median of each, and its ratio to raw's median. Prints a table, writes JSON.
+The median of each, and of its ratio to the same repetition's raw (a shared host's speed drifts between
+repetitions; within one it moves all three alike). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tests.support.emit import emit_rows
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
 PAGE_TOKENS = 64
+SETTLE_S = 0.3  # before each case: a streamed load subscribes meanwhile, the others get the same pause
 
 
 def side(name: str, pages: int) -> tuple[HostCaches, Endpoint]:
@@ -56,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16_384)
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/posting_bench.json")
     args = parser.parse_args()
@@ -74,41 +78,52 @@ def main() -> None:
     batches: dict[str, int] = {"raw": 1}
     moved: dict[str, int] = {"raw": plan.num_bytes}
     step = -(-pages // args.chunks)
+
+    def raw(rep: int) -> float:
+        time.sleep(SETTLE_S)
+        agent = d_end.transport.remote_peers()[0]
+        t0 = time.perf_counter()
+        xfer = d_end.transport.post_plan(agent, plan, "READ")
+        d_end.transport.wait(xfer)
+        took = time.perf_counter() - t0
+        d_end.transport.release(xfer)
+        return took
+
+    def pull(rep: int) -> float:
+        prefill.grant(f"pull-{rep}", p_table)
+        time.sleep(SETTLE_S)
+        decode.submit(LoadJob(f"pull-{rep}", where, p_table, d_table, args.tokens, 0))
+        return counted("pull", collect(decode)).seconds
+
+    def streamed(rep: int) -> float:
+        tid = f"stream-{rep}"
+        prefill.open_stream(tid, args.tokens)
+        stream_where = RemotePrefill(where.address, "127.0.0.1", prefill.port, 0)
+        job = LoadJob(tid, stream_where, np.empty(0, np.int64), d_table, args.tokens, 0, stream_id=tid)
+        decode.submit(job)
+        time.sleep(SETTLE_S)  # subscribed
+        announced = time.monotonic()
+        for first in range(0, pages, step):
+            upto = min((first + step) * PAGE_TOKENS, args.tokens)
+            prefill.advance_stream(tid, p_table[first : first + step], upto)
+            time.sleep(0.001)  # one announcement each (a grant in the same service turn would cover them)
+        prefill.grant_stream(f"{tid}#0", tid, p_table, args.tokens)
+        phases = counted("streamed", collect(decode)).phases  # seconds in each phase since submission, in order
+        return job.submitted_at + sum(v for k, v in phases.items() if k != "release") - announced
+
+    def counted(name: str, result: LoadResult) -> LoadResult:
+        if not result.ok:
+            raise SystemExit(f"a {name} load failed: {result.reason}")
+        batches[name], moved[name] = result.batches, sum(result.bytes_by_kind.values())
+        return result
+
+    cases = [("pull", pull), ("streamed", streamed), ("raw", raw)]  # pull first: the warm-up connects
     try:
         for rep in range(args.repeats + 1):  # the first is a warm-up (handshake, UCX connection set-up)
-            rid = f"pull-{rep}"
-            prefill.grant(rid, p_table)
-            decode.submit(LoadJob(rid, where, p_table, d_table, args.tokens, 0))
-            pull = collect(decode)
-            tid = f"stream-{rep}"
-            prefill.open_stream(tid, args.tokens)
-            stream_where = RemotePrefill(where.address, "127.0.0.1", prefill.port, 0)
-            job = LoadJob(tid, stream_where, np.empty(0, np.int64), d_table, args.tokens, 0, stream_id=tid)
-            decode.submit(job)
-            time.sleep(0.3)  # subscribed
-            announced = time.monotonic()
-            for first in range(0, pages, step):
-                upto = min((first + step) * PAGE_TOKENS, args.tokens)
-                prefill.advance_stream(tid, p_table[first : first + step], upto)
-                time.sleep(0.001)  # one announcement each (a grant in the same service turn would cover them)
-            prefill.grant_stream(f"{tid}#0", tid, p_table, args.tokens)
-            streamed = collect(decode)
-            phases = streamed.phases  # seconds spent in each phase since submission, in order
-            last_byte = job.submitted_at + sum(v for k, v in phases.items() if k != "release")
-            if not (pull.ok and streamed.ok):
-                raise SystemExit(f"a load failed: {pull.reason or streamed.reason}")
-            agent = d_end.transport.remote_peers()[0]
-            t0 = time.perf_counter()
-            xfer = d_end.transport.post_plan(agent, plan, "READ")
-            d_end.transport.wait(xfer)
-            raw = time.perf_counter() - t0
-            d_end.transport.release(xfer)
-            if rep:
-                seconds["raw"].append(raw)
-                seconds["pull"].append(pull.seconds)
-                seconds["streamed"].append(last_byte - announced)
-                for name, result in (("pull", pull), ("streamed", streamed)):
-                    batches[name], moved[name] = result.batches, sum(result.bytes_by_kind.values())
+            for name, case in cases[rep % 3 :] + cases[: rep % 3]:  # each case takes each place in turn
+                took = case(rep)
+                if rep:
+                    seconds[name].append(took)
         wrong = d_caches.mismatched_tokens(d_table, 0, args.tokens, seed=1)
         if wrong:
             raise SystemExit(f"bytes differ after the loads: {wrong[:3]}")
@@ -117,7 +132,6 @@ def main() -> None:
         prefill.close()
         d_end.transport.close()
         p_end.transport.close()
-    raw_median = statistics.median(seconds["raw"])
     rows = [
         {
             "case": name,
@@ -126,7 +140,8 @@ def main() -> None:
             "batches": batches[name],
             "s_median": statistics.median(values),
             "gbps_median": moved[name] / statistics.median(values) / 1e9,
-            "of_raw": raw_median / statistics.median(values),
+            "of_raw": statistics.median(raw / v for raw, v in zip(seconds["raw"], values, strict=True)),
+            "s_each": values,
         }
         for name, values in seconds.items()
     ]
