@@ -29,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
-import xxhash
 
 from glm_pd_common.errors import GlmPdError, ProtocolError
 from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.feeds import Feed
+from glm_pd_common.handoff.lanes import LaneMap
 from glm_pd_common.handoff.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
 from glm_pd_common.handoff.peer import Endpoint, PeerView
 from glm_pd_common.handoff.prefill_links import PrefillLink, PrefillLinks
@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 
 LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
-_MAX_REMEMBERED_ENGINES = 4096
 _MAX_CANCELLED = 4096  # cancelled request ids kept for loads that have not looked yet
 
 
@@ -100,7 +99,7 @@ class DecodeService:
         self._links = PrefillLinks(local, timeout_s, self._progress)
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._lanes: list[queue.SimpleQueue[LoadJob | _Wake | None]] = [queue.SimpleQueue() for _ in range(lanes)]
-        self._lane_of: dict[str, int] = {}  # prefill engine (rank 0's address) -> its lane, first come first served
+        self._lane_of = LaneMap(lanes)  # prefill engine (rank 0's address) -> its lane
         # per lane: prefill -> lease ids to renew at the lane's next turn (under ``_lock``; merged, so a busy
         # lane's backlog never grows past one set per prefill)
         self._renewals: list[dict[RemotePrefill, set[str]]] = [{} for _ in range(lanes)]
@@ -117,7 +116,7 @@ class DecodeService:
     # -- engine-facing, thread-safe ---------------------------------------------------------------
     def submit(self, job: LoadJob) -> None:
         with self._lock:
-            lane = self._lane_for(job.remote.address)
+            lane = self._lane_of.assign(job.remote.address)
         self._lanes[lane].put(job)
 
     def renew(self, remote: RemotePrefill, remote_request_ids: list[str]) -> None:
@@ -129,7 +128,7 @@ class DecodeService:
         if not remote_request_ids:
             return
         with self._lock:
-            lane = self._lane_for(remote.address)
+            lane = self._lane_of.assign(remote.address)
             pending = self._renewals[lane]
             wake = not pending
             pending.setdefault(remote, set()).update(remote_request_ids)
@@ -151,7 +150,7 @@ class DecodeService:
         """What this service holds now. Once every load has ended and its result was collected: ``queued``
         and ``results`` are 0, ``prefill_peers`` is at most the prefill ranks still in use, and
         ``transport_peers`` equals ``prefill_peers``. ``lanes_assigned`` (engine address -> lane) is bounded by
-        ``_MAX_REMEMBERED_ENGINES``: a lane must stay its engine's while loads for it may be queued."""
+        ``LaneMap``'s cap: a lane must stay its engine's while loads for it may be queued."""
         return {
             "queued": sum(lane.qsize() for lane in self._lanes),
             "results": self._results.qsize(),
@@ -533,7 +532,7 @@ class DecodeService:
     def _heartbeat(self, lane: int) -> None:
         """Tell this lane's prefill peers we are alive (an idle connection looks like a gone one)."""
         for peer in self._links.all():
-            if self._lane_of.get(peer.engine, _hash_lane(peer.engine, len(self._lanes))) == lane:
+            if self._lane_of.of(peer.engine) == lane:
                 self._beats += 1
                 peer.client.send(
                     protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats)
@@ -545,19 +544,3 @@ class DecodeService:
         lane = getattr(self._here, "lane", None)
         if lane is not None and self._renewals[lane]:
             self._send_renewals(lane, connect=False)
-
-    def _lane_for(self, engine: str) -> int:
-        """The lane of a prefill engine by its address (called under ``_lock``). Addresses come from remote params: past
-        the cap, lanes are picked by hash, not remembered."""
-        lane = self._lane_of.get(engine)
-        if lane is None:
-            lane = len(self._lane_of) % len(self._lanes)
-            if len(self._lane_of) < _MAX_REMEMBERED_ENGINES:
-                self._lane_of[engine] = lane
-            else:
-                lane = _hash_lane(engine, len(self._lanes))
-        return lane
-
-
-def _hash_lane(engine: str, lanes: int) -> int:
-    return xxhash.xxh3_64_intdigest(engine.encode()) % lanes
