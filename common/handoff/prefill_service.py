@@ -33,9 +33,8 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -45,8 +44,9 @@ from glm_pd_common.handoff.lease import LeaseTable
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.queues import drain
+from glm_pd_common.handoff.ready import ReadyEvent
 from glm_pd_common.handoff.sidechannel import SideChannelServer, SideChannelTimeout
-from glm_pd_common.handoff.streams import Outgoing, StreamTable
+from glm_pd_common.handoff.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.layout.checksum import MAX_PAGE_QUERIES, page_digests, plan_digests
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
@@ -57,17 +57,6 @@ logger = logging.getLogger(__name__)
 
 _QUEUED_PER_TURN = 256  # messages answered before expiry each turn; more wait a turn (grants are not starved)
 _AWAY_S = 0.5  # this long between two looks at the socket means the thread was held up (a turn takes ms)
-
-
-class ReadyEvent(Protocol):
-    """Completes once the GPU work that wrote a grant's pages has finished: a ``torch.cuda.Event`` recorded on
-    the writing stream after the forward (with MTP, after the drafter's last step) satisfies it. The service
-    only polls ``query``, on its own thread: an event tied to a device should make that device current for
-    the call itself. ``synchronize`` is part of the shape so any CUDA event type fits."""
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -86,25 +75,6 @@ class _Unready:
     pages: np.ndarray
     ready: ReadyEvent
     deadline: float
-
-
-@dataclass(frozen=True)
-class _Advance:
-    """One step's progress on a streamed transfer, announced once ``ready`` (if any) completes."""
-
-    transfer_id: str
-    new_pages: np.ndarray
-    ready_tokens: int
-    ready: ReadyEvent | None
-
-
-@dataclass(frozen=True)
-class _StreamCall:
-    """The engine opened (``num_tokens`` > 0) or ended (``why``) a streamed transfer."""
-
-    transfer_id: str
-    num_tokens: int = 0
-    why: str = ""
 
 
 @dataclass
@@ -143,8 +113,7 @@ class PrefillService:
         self._grants: queue.SimpleQueue[tuple[str, np.ndarray, ReadyEvent | None, tuple[str, int] | None]] = (
             queue.SimpleQueue()
         )
-        self._stream_calls: queue.SimpleQueue[_StreamCall | _Advance] = queue.SimpleQueue()
-        self._advancing: deque[_Advance] = deque()  # in step order: a step's progress waits for its event
+        self._stream_calls: queue.SimpleQueue[StreamCall | Advance] = queue.SimpleQueue()
         self._streams = StreamTable(timeout_s)
         self._lease_stream: dict[str, tuple[str, int]] = {}  # lease id -> (transfer id, tokens), until it ends
         self._unready: dict[str, _Unready] = {}
@@ -171,7 +140,7 @@ class PrefillService:
 
     def open_stream(self, transfer_id: str, num_tokens: int) -> None:
         """A request carrying ``transfer_id`` arrived: decode ranks that subscribe wait for it while it runs."""
-        self._stream_calls.put(_StreamCall(transfer_id, num_tokens=num_tokens))
+        self._stream_calls.put(StreamCall(transfer_id, num_tokens=num_tokens))
         self.server.wake()
 
     def advance_stream(
@@ -179,12 +148,12 @@ class PrefillService:
     ) -> None:
         """A step wrote the transfer's first ``ready_tokens`` tokens, into its page table extended by
         ``new_pages``; announced to subscribers once ``ready`` completes."""
-        self._stream_calls.put(_Advance(transfer_id, np.asarray(new_pages, dtype=np.int64), ready_tokens, ready))
+        self._stream_calls.put(Advance(transfer_id, np.asarray(new_pages, dtype=np.int64), ready_tokens, ready))
         self.server.wake()
 
     def end_stream(self, transfer_id: str, why: str) -> None:
         """The request will not finish as streamed (aborted, or preempted: its pages were freed)."""
-        self._stream_calls.put(_StreamCall(transfer_id, why=why))
+        self._stream_calls.put(StreamCall(transfer_id, why=why))
         self.server.wake()
 
     def grant_stream(
@@ -228,13 +197,13 @@ class PrefillService:
 
     def _step(self) -> None:
         for call in drain(self._stream_calls):
-            self._on_stream_call(call)
+            self._send_all(self._streams.take(call))
         for request_id, pages, ready, stream in drain(self._grants):
             if stream is not None:
                 self._lease_stream[request_id] = stream
             self._on_grant(request_id, pages, ready)
         self._poll_unready()
-        self._poll_advancing()
+        self._send_all(self._streams.announce_ready())
         # What queued up while this thread was away is answered before leases expire.
         for _ in range(_QUEUED_PER_TURN):
             if not self._serve(timeout_s=0.0):
@@ -387,29 +356,6 @@ class PrefillService:
         for key in [k for k in self._early_claims if k[0] == done.request_id]:
             del self._early_claims[key]
             self._fail(key[1], done.request_id, f"prefill's lease on this request ended: {done.detail}", code)
-
-    def _on_stream_call(self, call: _StreamCall | _Advance) -> None:
-        if isinstance(call, _Advance):
-            self._advancing.append(call)
-        elif call.why:
-            self._advancing = deque(a for a in self._advancing if a.transfer_id != call.transfer_id)
-            self._send_all(self._streams.end(call.transfer_id, f"prefill ended the request: {call.why}"))
-        else:
-            self._send_all(self._streams.open(call.transfer_id, call.num_tokens))
-
-    def _poll_advancing(self) -> None:
-        """Announce steps whose writes have completed, in step order (a later step's event completes later)."""
-        while self._advancing:
-            head = self._advancing[0]
-            try:
-                if head.ready is not None and not head.ready.query():
-                    return
-            except Exception as exc:  # a device error: what the step wrote cannot be trusted
-                self._advancing.popleft()
-                self._send_all(self._streams.end(head.transfer_id, f"its step's ready event failed: {exc!r}"))
-                continue
-            self._advancing.popleft()
-            self._send_all(self._streams.advance(head.transfer_id, head.new_pages, head.ready_tokens))
 
     def _send_all(self, out: Outgoing) -> None:
         for ident, msg in out:

@@ -1,24 +1,46 @@
 """Prefill's streamed transfers: what each running request has written so far, and who is reading it.
 
-A streamed request is known by the transfer id the router gave both legs. The engine announces it (``open``),
-reports each step's written tokens and the pages they are in (``advance``, gated on the step's ready event by
-the service), and hands over its lease when the request finishes (``finish``). Decode ranks ``subscribe``; each
-is sent the pages it has not been sent yet. Nothing here touches a socket: the service thread owns this table
-and sends the ``Progress`` and ``Failed`` messages it returns, so the order of every change is that thread's.
+A streamed request is known by the transfer id the router gave both legs. The engine's calls arrive here as
+``StreamCall`` (opened, or ended) and ``Advance`` (a step's written tokens and the pages they are in), through
+``take``. A step is announced once its ready event has completed, in step order (``announce_ready``: a later
+step's event completes later, so a step never overtakes the one before). The lease comes when the request
+finishes (``finish``). Decode ranks ``subscribe``; each is sent the pages it has not been sent yet. Nothing here
+touches a socket or blocks: the service thread owns this table, polls the events and sends the ``Progress`` and
+``Failed`` messages it returns, so the order of every change is that thread's.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from glm_pd_common.handoff import protocol
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.ready import ReadyEvent
 
 _MAX_ENDED = 4096  # ended transfer ids remembered, so a late subscriber or a late grant is answered at once
+
+
+@dataclass(frozen=True)
+class Advance:
+    """One step's progress on a streamed transfer, announced once ``ready`` (if any) completes."""
+
+    transfer_id: str
+    new_pages: np.ndarray
+    ready_tokens: int
+    ready: ReadyEvent | None
+
+
+@dataclass(frozen=True)
+class StreamCall:
+    """The engine opened (``num_tokens`` > 0) or ended (``why``) a streamed transfer."""
+
+    transfer_id: str
+    num_tokens: int = 0
+    why: str = ""
 
 
 @dataclass
@@ -42,9 +64,35 @@ class StreamTable:
         self._streams: dict[str, _Stream] = {}
         self._leases: dict[str, str] = {}  # lease id -> transfer id
         self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> why it ended
+        self._advancing: deque[Advance] = deque()  # in step order: a step's progress waits for its event
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    def take(self, call: StreamCall | Advance) -> Outgoing:
+        """An engine call, in the order the engine made it."""
+        if isinstance(call, Advance):
+            self._advancing.append(call)
+            return []
+        if call.why:
+            return self.end(call.transfer_id, f"prefill ended the request: {call.why}")
+        return self.open(call.transfer_id, call.num_tokens)
+
+    def announce_ready(self) -> Outgoing:
+        """Announce the steps whose writes have completed, in step order; a step whose event failed ends its
+        transfer (what it wrote cannot be trusted)."""
+        out: Outgoing = []
+        while self._advancing:
+            head = self._advancing[0]
+            try:
+                if head.ready is not None and not head.ready.query():
+                    break
+            except Exception as exc:  # a device error
+                out += self.end(head.transfer_id, f"its step's ready event failed: {exc!r}")
+                continue
+            self._advancing.popleft()
+            out += self.advance(head.transfer_id, head.new_pages, head.ready_tokens)
+        return out
 
     def lease_of(self, transfer_id: str) -> str:
         stream = self._streams.get(transfer_id)
@@ -94,6 +142,7 @@ class StreamTable:
         subscriber is told; a later grant or subscription is refused. Returns the messages."""
         stream = self._streams.pop(transfer_id, None)
         self._remember(transfer_id, why)
+        self._advancing = deque(a for a in self._advancing if a.transfer_id != transfer_id)
         if stream is None:
             return []
         self._leases.pop(stream.lease_id, None)
