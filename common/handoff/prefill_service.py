@@ -3,8 +3,7 @@
 One thread owns the side channel socket, the transport's notifications and the lease table, so none of
 them is touched concurrently. The engine adapter talks to it through two thread-safe calls: ``grant``
 (a finished request's pages, to hold for decode) and ``finished`` (requests whose pages may now be freed:
-released by every decode rank that reads them, aborted, or expired). Every engine call wakes the thread, so it
-is acted on at once, not when the thread's wait for decode's messages (a few ms) runs out.
+released by every decode rank that reads them, aborted, or expired).
 GPU ordering: a grant may come with a ``ReadyEvent`` recorded after the GPU work that writes its pages. Until
 the event completes no claim is answered (``Claimed`` is what lets decode read): a claim that arrives first
 waits beside the grant, and the service thread polls the event once per loop turn (every few ms) rather
@@ -136,12 +135,10 @@ class PrefillService:
         """Hold a finished request's full page table for decode. Its lease starts now, or with ``ready``
         once that event completes: no claim is answered before (the GPU may still be writing the pages)."""
         self._grants.put((request_id, np.asarray(pages, dtype=np.int64), ready, None))
-        self.server.wake()
 
     def open_stream(self, transfer_id: str, num_tokens: int) -> None:
         """A request carrying ``transfer_id`` arrived: decode ranks that subscribe wait for it while it runs."""
         self._stream_calls.put(StreamCall(transfer_id, num_tokens=num_tokens))
-        self.server.wake()
 
     def advance_stream(
         self, transfer_id: str, new_pages: np.ndarray, ready_tokens: int, ready: ReadyEvent | None = None
@@ -149,19 +146,16 @@ class PrefillService:
         """A step wrote the transfer's first ``ready_tokens`` tokens, into its page table extended by
         ``new_pages``; announced to subscribers once ``ready`` completes."""
         self._stream_calls.put(Advance(transfer_id, np.asarray(new_pages, dtype=np.int64), ready_tokens, ready))
-        self.server.wake()
 
     def end_stream(self, transfer_id: str, why: str) -> None:
         """The request will not finish as streamed (aborted, or preempted: its pages were freed)."""
         self._stream_calls.put(StreamCall(transfer_id, why=why))
-        self.server.wake()
 
     def grant_stream(
         self, lease_id: str, transfer_id: str, pages: np.ndarray, num_tokens: int, ready: ReadyEvent | None = None
     ) -> None:
         """``grant`` for a streamed request of ``num_tokens``: subscribers are told the lease once it is held."""
         self._grants.put((lease_id, np.asarray(pages, dtype=np.int64), ready, (transfer_id, num_tokens)))
-        self.server.wake()
 
     def finished(self) -> list[Finished]:
         return drain(self._finished)
@@ -183,7 +177,6 @@ class PrefillService:
 
     def close(self) -> None:
         self._stop.set()
-        self.server.wake()
         self._thread.join(timeout=10)
         self.server.close()
 
