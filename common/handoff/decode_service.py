@@ -37,8 +37,9 @@ from glm_pd_common.handoff.lanes import LaneMap
 from glm_pd_common.handoff.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
 from glm_pd_common.handoff.peer import Endpoint, PeerView
 from glm_pd_common.handoff.prefill_links import PrefillLink, PrefillLinks
-from glm_pd_common.handoff.protocol import MAX_RENEW_IDS, PROTOCOL_VERSION
+from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.queues import drain
+from glm_pd_common.handoff.renewals import Renewals
 from glm_pd_common.handoff.sidechannel import SideChannelClient, pending, recv_any
 from glm_pd_common.handoff.states import Handoff, HandoffState
 from glm_pd_common.layout.checksum import check_landed, flip_byte, moved_byte
@@ -100,9 +101,7 @@ class DecodeService:
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._lanes: list[queue.SimpleQueue[LoadJob | _Wake | None]] = [queue.SimpleQueue() for _ in range(lanes)]
         self._lane_of = LaneMap(lanes)  # prefill engine (rank 0's address) -> its lane
-        # per lane: prefill -> lease ids to renew at the lane's next turn (under ``_lock``; merged, so a busy
-        # lane's backlog never grows past one set per prefill)
-        self._renewals: list[dict[RemotePrefill, set[str]]] = [{} for _ in range(lanes)]
+        self._renewals = Renewals(lanes, self._links, local.shape.tp_rank, self._layouts)
         self._lock = threading.Lock()
         self._here = threading.local()  # ``lane``: which lane the calling service thread is
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # under ``_lock``
@@ -121,18 +120,13 @@ class DecodeService:
 
     def renew(self, remote: RemotePrefill, remote_request_ids: list[str]) -> None:
         """Keep prefill's leases of these requests (prefill's ids) while they wait for decode's blocks: call it
-        every ``lease.renew_interval(lease_s)``. Returns at once; the lane of ``remote`` sends one batch to
-        each prefill rank this rank releases (``release_set``), handshaking first if needed. A rank that
-        cannot be reached is logged, and its leases are left to expire (the load then fails as
-        ``lease_expired``); nothing is raised here."""
+        every ``lease.renew_interval(lease_s)``. Returns at once, never raises; the lane of ``remote`` sends
+        them (``Renewals.send``)."""
         if not remote_request_ids:
             return
         with self._lock:
             lane = self._lane_of.assign(remote.address)
-            pending = self._renewals[lane]
-            wake = not pending
-            pending.setdefault(remote, set()).update(remote_request_ids)
-        if wake:
+        if self._renewals.add(lane, remote, remote_request_ids):
             self._lanes[lane].put(_Wake())
 
     def cancel(self, request_id: str) -> None:
@@ -172,7 +166,7 @@ class DecodeService:
         jobs = self._lanes[lane]
         self._here.lane = lane
         while True:
-            self._send_renewals(lane)  # before each load: a renewal never waits behind a backlog of loads
+            self._renewals.send(lane)  # before each load: a renewal never waits behind a backlog of loads
             try:
                 job = jobs.get(timeout=self.heartbeat_s)
             except queue.Empty:
@@ -190,47 +184,6 @@ class DecodeService:
             except Exception as exc:  # a bug must fail one request, never wedge the engine
                 logger.exception("glm-pd decode: load of %s crashed", job.request_id)
                 self._results.put(LoadResult(job.request_id, False, f"internal error: {exc!r}", "internal"))
-
-    def _send_renewals(self, lane: int, *, connect: bool = True) -> None:
-        """Send this lane's pending renewals, one batch per prefill rank. ``connect=False`` (inside a load's
-        wait): only to prefills whose ranks are all connected; the others wait for the lane's next turn."""
-        with self._lock:
-            pending, self._renewals[lane] = self._renewals[lane], {}
-        for placeholder, ids in pending.items():
-            batch = sorted(ids)
-            if not placeholder.tp_size and not connect:  # learning a streamed prefill's shape takes a round trip
-                self._defer(lane, placeholder, ids)
-                continue
-            try:
-                remote = self._links.known(placeholder)
-                ranks = release_set(self.local.shape.tp_rank, *self._layouts(remote))
-            except GlmPdError as exc:
-                logger.warning(
-                    "glm-pd decode: cannot renew %d lease(s) on %s: %s", len(batch), placeholder.engine_id, exc
-                )
-                continue
-            if not connect and any(self._links.connected(remote, rank) is None for rank in ranks):
-                self._defer(lane, remote, ids)
-                continue
-            for rank in ranks:
-                try:
-                    peer = self._links.get(remote, rank)
-                    for start in range(0, len(batch), MAX_RENEW_IDS):
-                        chunk = batch[start : start + MAX_RENEW_IDS]
-                        peer.client.send(protocol.Renew(v=PROTOCOL_VERSION, request_ids=chunk))
-                except Exception as exc:  # the lease then expires on its own: the load reports lease_expired
-                    logger.warning(
-                        "glm-pd decode: could not renew %d lease(s) on prefill %s rank %d (they may expire): %s",
-                        len(batch),
-                        remote.engine_id,
-                        rank,
-                        exc,
-                    )
-
-    def _defer(self, lane: int, remote: RemotePrefill, ids: set[str]) -> None:
-        """Renewals for the lane's next turn."""
-        with self._lock:
-            self._renewals[lane].setdefault(remote, set()).update(ids)
 
     def _load(self, job: LoadJob) -> LoadResult:
         handoff = Handoff(job.request_id)
@@ -542,5 +495,5 @@ class DecodeService:
         """While a lane waits for a peer: the transport's progress, and renewals that need no handshake."""
         self.local.transport.notifs()
         lane = getattr(self._here, "lane", None)
-        if lane is not None and self._renewals[lane]:
-            self._send_renewals(lane, connect=False)
+        if lane is not None and self._renewals.due(lane):
+            self._renewals.send(lane, connect=False)

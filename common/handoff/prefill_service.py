@@ -3,15 +3,17 @@
 One thread owns the side channel socket, the transport's notifications and the lease table, so none of
 them is touched concurrently. The engine adapter talks to it through two thread-safe calls: ``grant``
 (a finished request's pages, to hold for decode) and ``finished`` (requests whose pages may now be freed:
-released by every decode rank that reads them, aborted, or expired).
+released by every decode rank that reads them, aborted, or expired). Every engine call wakes the thread, so it
+is acted on at once, not when the thread's wait for decode's messages (a few ms) runs out.
 GPU ordering: a grant may come with a ``ReadyEvent`` recorded after the GPU work that writes its pages. Until
 the event completes no claim is answered (``Claimed`` is what lets decode read): a claim that arrives first
 waits beside the grant, and the service thread polls the event once per loop turn (every few ms) rather
 than blocking on it, so other requests are served meanwhile and every piece of state stays on this one
 thread. The lease clock starts when the event completes, so a slow GPU never uses up decode's time; a grant
 whose event has not completed within a lease ends as expired (a hung GPU must not hold pages forever).
-Leases measure decode's time: when this thread itself was away (held up for longer than ``_AWAY_S``), every
-lease and pending claim is held over by as long, and what queued meanwhile is answered before leases expire.
+Leases measure decode's time: when this thread itself was away (held up for longer than ``_AWAY_S``, between two
+waits or inside one, as when the process is stopped), every lease, pending claim and decode's silence is held over
+by as long, and what queued meanwhile is answered before leases expire.
 Decode renews the leases of requests still waiting for its blocks (``Renew``); only unclaimed live leases
 are extended.
 A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
@@ -43,7 +45,7 @@ from glm_pd_common.handoff.lease import LeaseTable
 from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
 from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.queues import drain
-from glm_pd_common.handoff.ready import ReadyEvent
+from glm_pd_common.handoff.ready import ReadyEvent, UnreadyGrants
 from glm_pd_common.handoff.sidechannel import SideChannelServer, SideChannelTimeout
 from glm_pd_common.handoff.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.layout.checksum import MAX_PAGE_QUERIES, page_digests, plan_digests
@@ -65,15 +67,6 @@ class Finished:
     request_id: str
     outcome: str  # released | aborted | expired
     detail: str = ""
-
-
-@dataclass
-class _Unready:
-    """A grant whose pages the GPU may still be writing: no lease (and no clock) until ``ready`` completes."""
-
-    pages: np.ndarray
-    ready: ReadyEvent
-    deadline: float
 
 
 @dataclass
@@ -105,7 +98,7 @@ class PrefillService:
             peer_idle_s = max(lease_s + timeout_s, 3 * protocol.HEARTBEAT_S)
         self.peer_idle_s = peer_idle_s
         self._next_idle_check = 0.0
-        self._last_listen = time.monotonic()
+        self._back_by = time.monotonic()  # when this thread should next be at the socket (a wait's end)
         self.server = SideChannelServer(host, port)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
         # (lease id, pages, ready event, (transfer id, tokens) of a streamed request)
@@ -115,7 +108,7 @@ class PrefillService:
         self._stream_calls: queue.SimpleQueue[StreamCall | Advance] = queue.SimpleQueue()
         self._streams = StreamTable(timeout_s)
         self._lease_stream: dict[str, tuple[str, int]] = {}  # lease id -> (transfer id, tokens), until it ends
-        self._unready: dict[str, _Unready] = {}
+        self._unready = UnreadyGrants(lease_s)
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()
         self._decodes: dict[bytes, _Decode] = {}
         # claims (and a release-only decode's confirmation) that came before the grant, with their deadlines
@@ -135,10 +128,12 @@ class PrefillService:
         """Hold a finished request's full page table for decode. Its lease starts now, or with ``ready``
         once that event completes: no claim is answered before (the GPU may still be writing the pages)."""
         self._grants.put((request_id, np.asarray(pages, dtype=np.int64), ready, None))
+        self.server.wake()
 
     def open_stream(self, transfer_id: str, num_tokens: int) -> None:
         """A request carrying ``transfer_id`` arrived: decode ranks that subscribe wait for it while it runs."""
         self._stream_calls.put(StreamCall(transfer_id, num_tokens=num_tokens))
+        self.server.wake()
 
     def advance_stream(
         self, transfer_id: str, new_pages: np.ndarray, ready_tokens: int, ready: ReadyEvent | None = None
@@ -146,16 +141,19 @@ class PrefillService:
         """A step wrote the transfer's first ``ready_tokens`` tokens, into its page table extended by
         ``new_pages``; announced to subscribers once ``ready`` completes."""
         self._stream_calls.put(Advance(transfer_id, np.asarray(new_pages, dtype=np.int64), ready_tokens, ready))
+        self.server.wake()
 
     def end_stream(self, transfer_id: str, why: str) -> None:
         """The request will not finish as streamed (aborted, or preempted: its pages were freed)."""
         self._stream_calls.put(StreamCall(transfer_id, why=why))
+        self.server.wake()
 
     def grant_stream(
         self, lease_id: str, transfer_id: str, pages: np.ndarray, num_tokens: int, ready: ReadyEvent | None = None
     ) -> None:
         """``grant`` for a streamed request of ``num_tokens``: subscribers are told the lease once it is held."""
         self._grants.put((lease_id, np.asarray(pages, dtype=np.int64), ready, (transfer_id, num_tokens)))
+        self.server.wake()
 
     def finished(self) -> list[Finished]:
         return drain(self._finished)
@@ -177,6 +175,7 @@ class PrefillService:
 
     def close(self) -> None:
         self._stop.set()
+        self.server.wake()
         self._thread.join(timeout=10)
         self.server.close()
 
@@ -217,6 +216,7 @@ class PrefillService:
     def _serve(self, *, timeout_s: float) -> bool:
         """Answer one side-channel message, waiting at most ``timeout_s``; False when none came."""
         self._hold_over_absence()
+        self._back_by = time.monotonic() + timeout_s  # the wait is not time away; running past its end is
         try:
             ident, msg = self.server.recv(timeout_s=timeout_s)
         except SideChannelTimeout:
@@ -225,7 +225,7 @@ class PrefillService:
             logger.warning("glm-pd prefill: refused a side-channel message: %s", exc)
             return True
         finally:
-            self._last_listen = time.monotonic()
+            self._hold_over_absence()
         if ident in self._decodes:
             self._decodes[ident].last_seen = time.monotonic()
         self._dispatch(ident, msg)
@@ -234,15 +234,19 @@ class PrefillService:
     def _hold_over_absence(self) -> None:
         """If this thread was away from the socket (a long digest, a GC pause, a busy host, a stopped process),
         decode's claims and confirmations sat unanswered meanwhile: that time does not count against their
-        leases, their early claims or grants still waiting for the GPU."""
-        away = time.monotonic() - self._last_listen
+        leases, their early claims, grants still waiting for the GPU, subscriptions waiting for the engine, or
+        decode's silence (its heartbeats may still be on their way into the socket)."""
+        now = time.monotonic()
+        away, self._back_by = now - self._back_by, now
         if away < _AWAY_S:
             return
         self._leases.hold_over(away)
+        self._streams.hold_over(away)
+        for decode in self._decodes.values():
+            decode.last_seen += away
         for key, (msg, deadline) in self._early_claims.items():
             self._early_claims[key] = (msg, deadline + away)
-        for grant in self._unready.values():
-            grant.deadline += away
+        self._unready.hold_over(away)
         logger.warning("glm-pd prefill: the service thread was away %.2f s; leases held over by as much", away)
 
     def _dispatch(self, ident: bytes, msg: protocol.Message) -> None:
@@ -299,32 +303,23 @@ class PrefillService:
         if request_id in self._leases or request_id in self._unready:
             # Two live requests under one id cannot both be served safely: neither is.
             self._leases.drop(request_id)
-            self._unready.pop(request_id, None)
+            self._unready.pop(request_id)
             self._end(Finished(request_id, "aborted", "a second request arrived under the same id"))
             return
         self._gone.pop(request_id, None)  # an id used again after its earlier lease ended
         if ready is None:
             self._hold(request_id, pages)
         else:
-            self._unready[request_id] = _Unready(pages, ready, time.monotonic() + self._leases.ttl_s)
+            self._unready.add(request_id, pages, ready)
 
     def _poll_unready(self) -> None:
-        """Start the lease of every grant whose pages the GPU has finished writing; end the hung ones."""
-        now = time.monotonic()
-        for request_id, grant in list(self._unready.items()):
-            try:
-                ready = grant.ready.query()
-            except Exception as exc:  # a device error: the pages cannot be trusted
-                del self._unready[request_id]
-                self._end_unready(Finished(request_id, "aborted", f"its ready event failed: {exc!r}"), "aborted")
-                continue
-            if ready:
-                del self._unready[request_id]
-                self._hold(request_id, grant.pages)
-            elif now > grant.deadline:
-                del self._unready[request_id]
-                detail = "its pages were not ready (the GPU work writing them had not finished) within a lease"
-                self._end_unready(Finished(request_id, "expired", detail), "lease_expired")
+        """Start the lease of every grant whose pages the GPU has finished writing; end the failed and hung ones."""
+        ready, ended = self._unready.poll()
+        for request_id, pages in ready:
+            self._hold(request_id, pages)
+        for request_id, outcome, why in ended:
+            code: FailureCode = "aborted" if outcome == "aborted" else "lease_expired"
+            self._end_unready(Finished(request_id, outcome, why), code)
 
     def _hold(self, request_id: str, pages: np.ndarray) -> None:
         """The pages are final: lease them (the clock starts now) and answer the claims that came first. A
@@ -447,7 +442,7 @@ class PrefillService:
             if lease_id:
                 msg = protocol.Abort(v=msg.v, request_id=lease_id, reason=msg.reason)
         held = self._leases.drop(msg.request_id) is not None
-        if self._unready.pop(msg.request_id, None) is not None or held:
+        if self._unready.pop(msg.request_id) or held:
             self._end(Finished(msg.request_id, "aborted", msg.reason))
         for key in [k for k in self._early_claims if k[0] == msg.request_id]:
             del self._early_claims[key]

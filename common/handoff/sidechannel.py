@@ -6,6 +6,8 @@ by ``protocol.decode`` (size cap, version, shape) before anyone acts on it.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -20,6 +22,10 @@ class SideChannelTimeout(GlmPdError):
 
 
 class SideChannelServer:
+    """The serving socket, and a wake-up the serving thread waits on beside it: another thread that hands the
+    server's thread work (an engine's grant) calls ``wake`` so that work is picked up now, not when the wait
+    for peers' messages times out."""
+
     def __init__(self, host: str, port: int = 0) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -31,10 +37,19 @@ class SideChannelServer:
         else:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.host = host
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()  # a wake never writes to the fd number after close released it
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
 
     def recv(self, timeout_s: float) -> tuple[bytes, protocol.Message]:
-        """(peer identity, message); malformed messages raise ProtocolError with the identity attached."""
-        if not self._sock.poll(int(timeout_s * 1000)):
+        """(peer identity, message); malformed messages raise ProtocolError with the identity attached. A
+        ``wake`` ends the wait early, as a timeout does: no message came."""
+        ready = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self._wake_fd in ready:
+            os.eventfd_read(self._wake_fd)  # resets the count: one look at the queues covers every wake so far
+        if self._sock not in ready:
             raise SideChannelTimeout(f"no message on {self.host}:{self.port} within {timeout_s:.1f} s")
         frames = self._sock.recv_multipart()
         if len(frames) != 2:
@@ -44,9 +59,18 @@ class SideChannelServer:
     def send(self, identity: bytes, message: protocol.Message) -> None:
         self._sock.send_multipart([identity, protocol.encode(message)])
 
+    def wake(self) -> None:
+        """Cut the serving thread's current (or next) wait short; thread-safe, never blocks, a no-op once closed."""
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
+
     def close(self) -> None:
         self._sock.close(0)
         self._ctx.term()
+        with self._wake_lock:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
 
 
 class SideChannelClient:

@@ -155,6 +155,11 @@ class StreamTable:
             self._streams.pop(transfer_id, None)
             self._remember(transfer_id, "its lease ended")
 
+    def hold_over(self, seconds: float) -> None:
+        """Prefill's thread was away this long: subscriptions waiting for the engine wait as much longer."""
+        for stream in self._streams.values():
+            stream.deadline += seconds
+
     def drop_subscriber(self, ident: bytes) -> None:
         for stream in self._streams.values():
             stream.subscribers.pop(ident, None)

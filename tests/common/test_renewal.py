@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from glm_pd_common.handoff import decode_service
+from glm_pd_common.handoff import renewals
 from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, LoadResult, RemotePrefill
 from glm_pd_common.handoff.lease import renew_interval
 from glm_pd_common.handoff.prefill_service import Finished, PrefillService
@@ -52,7 +52,7 @@ def test_renewals_keep_a_waiting_request_past_its_lease(small_spec, monkeypatch,
     """Three requests renewed (split over two messages), one not: after 2.5 leases the renewed ones are still
     held and load byte-exactly; the other expired and its load fails as ``lease_expired`` even though it was
     renewed after expiring; a renewal of an id prefill never granted is ignored."""
-    monkeypatch.setattr(decode_service, "MAX_RENEW_IDS", 2)
+    monkeypatch.setattr(renewals, "MAX_RENEW_IDS", 2)
     caplog.set_level(logging.DEBUG, logger="glm_pd_common.handoff.prefill_service")
     prefill, decode = Prefill(small_spec, lease_s=LEASE_S, timeout_s=5.0), Decode(small_spec, timeout_s=5.0)
     kept = ["kept-0", "kept-1", "kept-2"]

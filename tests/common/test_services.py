@@ -243,24 +243,34 @@ def test_a_successful_load_has_no_failure_code(small_spec) -> None:
         prefill.close()
 
 
-def test_a_claim_queued_while_prefill_was_held_up_is_answered_before_expiry(small_spec, monkeypatch) -> None:
-    """Prefill's thread is held up (here: its transport poll blocks) while decode's claim waits in the socket
-    and the lease's time runs out. On waking, prefill answers what queued before it expires leases: the pages
-    are still held, so the load succeeds. Before: the lease expired first and the claim, sent in time, failed."""
+@pytest.mark.parametrize(
+    "where",
+    ["between_waits", "inside_a_wait"],
+    ids=["held-up-between-waits", "stopped-inside-its-wait"],
+)
+def test_a_claim_queued_while_prefill_was_held_up_is_answered_before_expiry(small_spec, monkeypatch, where) -> None:
+    """Prefill's thread is held up while decode's claim waits in the socket and the lease's time runs out: between
+    two waits (its transport poll blocks), or inside its wait on the socket (the process is stopped: SIGSTOP, a
+    debugger; the wait ends long past its timeout). On waking, prefill holds the leases over by as long and answers
+    what queued before it expires leases: the pages are still held, so the load succeeds. Before: the lease expired
+    first and the claim, sent in time, failed (inside a wait, the time away was not even seen)."""
     prefill, decode = Prefill(small_spec, lease_s=1.0), Decode(small_spec)
     try:
         assert decode.load(prefill, "warm-up", 64).ok  # the handshake is done: only the claim is left to queue
         held, stalled = threading.Event(), threading.Event()
-        real = prefill.local.transport.notifs
+        owner, name = (
+            (prefill.local.transport, "notifs") if where == "between_waits" else (prefill.service.server, "recv")
+        )
+        real = getattr(owner, name)
 
-        def notifs():
+        def held_up(*args: float, **kwargs: float) -> object:
             if held.is_set():
                 stalled.set()
                 while held.is_set():
                     time.sleep(0.01)
-            return real()
+            return real(*args, **kwargs)
 
-        monkeypatch.setattr(prefill.local.transport, "notifs", notifs)
+        monkeypatch.setattr(owner, name, held_up)
         prefill.service.grant("late", prefill.table[:1])
         time.sleep(0.1)  # the grant is taken, the lease's clock runs
         held.set()

@@ -1,12 +1,16 @@
 """The side channel's non-blocking drain, which a streamed load uses to read everything already announced as one
-batch (real ZeroMQ sockets on loopback)."""
+batch, and the server's wake-up, which lets an engine's call cut the serving thread's wait short (real ZeroMQ
+sockets on loopback)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import pytest
+
 from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.sidechannel import SideChannelClient, SideChannelServer, pending
+from glm_pd_common.handoff.sidechannel import SideChannelClient, SideChannelServer, SideChannelTimeout, pending
 
 
 def test_pending_returns_every_waiting_message_in_order() -> None:
@@ -33,3 +37,38 @@ def test_pending_returns_every_waiting_message_in_order() -> None:
         for client in clients:
             client.close()
         server.close()
+
+
+def test_a_wake_from_another_thread_ends_the_servers_wait_and_messages_still_arrive() -> None:
+    server = SideChannelServer("127.0.0.1")
+    client = SideChannelClient("127.0.0.1", server.port)
+    waited: list[float] = []
+
+    def wait_long() -> None:
+        t0 = time.monotonic()
+        with pytest.raises(SideChannelTimeout):
+            server.recv(60.0)
+        waited.append(time.monotonic() - t0)
+
+    try:
+        thread = threading.Thread(target=wait_long)
+        thread.start()
+        time.sleep(0.2)  # the thread is inside its wait
+        server.wake()
+        thread.join(timeout=30)
+        assert waited and waited[0] < 30, "the wait ran on past the wake"
+        server.wake()
+        server.wake()  # wakes before a wait: the next wait ends at once, once, for all of them
+        t0 = time.monotonic()
+        with pytest.raises(SideChannelTimeout):
+            server.recv(60.0)
+        assert time.monotonic() - t0 < 30, "a wake that came before the wait did not end it"
+        with pytest.raises(SideChannelTimeout):
+            server.recv(0.05)  # that wake is spent: this wait runs to its timeout
+        client.send(protocol.Heartbeat(v=protocol.PROTOCOL_VERSION, engine_id="d", seq=7))
+        _, msg = server.recv(10.0)
+        assert isinstance(msg, protocol.Heartbeat) and msg.seq == 7
+    finally:
+        client.close()
+        server.close()
+    server.wake()  # an engine call after close is a no-op, never a write to a released fd
