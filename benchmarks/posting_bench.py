@@ -22,16 +22,17 @@ import time
 
 import numpy as np
 
-from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, LoadResult, RemotePrefill
-from glm_pd_common.handoff.peer import Endpoint
-from glm_pd_common.handoff.prefill_service import PrefillService
+from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.prefill.service import PrefillService
+from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
-from glm_pd_common.transport.base import TransportConfig, create_transport
+from glm_pd_common.transport.base import TransportConfig
+from glm_pd_common.transport.factory import create_transport
 from tests.support.emit import emit_rows
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))

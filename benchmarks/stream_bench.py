@@ -48,7 +48,7 @@ from pathlib import Path
 
 import psutil
 
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from tests.support.emit import emit_rows
 from tests.support.ports import free_port
 from tests.support.tiny_mla_model import make_model

@@ -24,7 +24,8 @@ from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.flat import FLAT_LAYER_ID, flat_region
 from glm_pd_common.tools.hostmem import HostCaches, memcpy_gbps
-from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
+from glm_pd_common.transport.base import Transport, TransportConfig
+from glm_pd_common.transport.factory import create_transport
 from tests.support.emit import emit_rows
 from tests.support.peerproc import PeerProcess
 

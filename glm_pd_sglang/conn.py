@@ -33,13 +33,14 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.peer import Endpoint, accept_hello
-from glm_pd_common.layout import checksum
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
 from glm_pd_common.layout.fingerprint import PeerShape
-from glm_pd_common.layout.memory import reader_for
 from glm_pd_common.layout.shards import owned_layers
-from glm_pd_common.transport.base import TransportConfig, create_transport
+from glm_pd_common.transport.base import TransportConfig
+from glm_pd_common.transport.digests import flip_byte, region_pages_digest
+from glm_pd_common.transport.factory import create_transport
+from glm_pd_common.transport.memory import reader_for
 from glm_pd_sglang import wire
 from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.kvargs import rank_caches
@@ -299,7 +300,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         if self.corrupt_next_room == room and pages.size:
             self.corrupt_next_room = None
             region = self.caches.regions[-1]
-            checksum.flip_byte(region, int(pages[-1]) * region.page_stride, self.endpoint.memory)
+            flip_byte(region, int(pages[-1]) * region.page_stride, self.endpoint.memory)
         if not sent:
             return "glm-pd checksum verification is on, but prefill sent no digests (is it verifying too?)"
         theirs: dict[str, int] = {}
@@ -317,7 +318,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         return None
 
     def _region_digests(self, pages: np.ndarray) -> list[tuple[str, int]]:
-        return [(r.name, checksum.region_pages_digest(r, pages, self.endpoint.memory)) for r in self.caches.regions]
+        return [(r.name, region_pages_digest(r, pages, self.endpoint.memory)) for r in self.caches.regions]
 
     def _resolve_rank_mapping(self, info: Any) -> None:
         """SGLang's mapping, checked against glm-pd's pairing (a mismatch is refused as SGLang refuses a page size

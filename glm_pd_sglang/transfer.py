@@ -20,7 +20,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import PlanError, ProtocolError, TransferFailed
-from glm_pd_common.handoff.peer import PeerView
+from glm_pd_common.handoff.wire.handshake import PeerView
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.tp import SideLayout, source_for
 from glm_pd_common.transport.base import Span

@@ -14,7 +14,7 @@ from typing import TypeVar
 import msgspec
 
 from glm_pd_common.errors import ProtocolError
-from glm_pd_common.handoff.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 
 TAG_REGISTER = b"GLMPD_REGISTER"
 TAG_ROOM = b"GLMPD_ROOM"
@@ -40,7 +40,7 @@ class _Header(msgspec.Struct):
 
 
 class Registration(_Versioned, frozen=True):
-    hello: bytes  # glm_pd_common.handoff.protocol.Hello, encoded: fingerprint, shape, regions, transport metadata
+    hello: bytes  # glm_pd_common.handoff.wire.protocol.Hello, encoded: fingerprint, shape, regions, transport metadata
     decode_ip: str
     decode_port: int
     engine_rank: int

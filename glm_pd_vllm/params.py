@@ -16,7 +16,7 @@ import msgspec
 from vllm.config import VllmConfig
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, PageId
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, PageId
 from glm_pd_common.layout.cache_dtypes import row_format_for, vllm_indexer_scale_format
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import INT64_MAX, num_pages_for

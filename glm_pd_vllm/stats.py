@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from glm_pd_common.handoff.protocol import FAILURE_CODES
+from glm_pd_common.handoff.wire.protocol import FAILURE_CODES
 
 KINDS = ("main", "indexer")  # region kinds a plan moves (common.layout.regions.RegionKind)
 PREFILL_OUTCOMES = ("released", "aborted", "expired")  # common.handoff.prefill_service.Finished.outcome

@@ -18,15 +18,16 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, RemotePrefill
-from glm_pd_common.handoff.peer import Endpoint
-from glm_pd_common.handoff.prefill_service import PrefillService
+from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, RemotePrefill
+from glm_pd_common.handoff.prefill.service import PrefillService
+from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape, check_shape
-from glm_pd_common.layout.memory import reader_for
 from glm_pd_common.layout.pages import block_pages
 from glm_pd_common.layout.shards import Sharding
 from glm_pd_common.layout.spec import CacheSpec
-from glm_pd_common.transport.base import Transport, TransportConfig, create_transport
+from glm_pd_common.transport.base import Transport, TransportConfig
+from glm_pd_common.transport.factory import create_transport
+from glm_pd_common.transport.memory import reader_for
 from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import context_parallel

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU smoke of issue 14 (tests/gpu/smoke.py) on a machine with CUDA and torch but no NIXL, vLLM or
 # SGLang, and no network: the missing wheels travel in $GLM_PD_WHEELS (default .whl) and are installed into
-# a private folder, glm_pd_common is linked there from common/, and the smoke runs with a 470 s bound.
+# a private folder, and the smoke runs with a 470 s bound (glm_pd_common is read from common/ as it lies).
 #   scripts/gpu_smoke.sh [--pages N] [--json PATH]   run (JSON also lands in $OUT/gpu_smoke.json if OUT is set)
 #   scripts/gpu_smoke.sh --fetch-wheels              where pip reaches PyPI: download those wheels for the GPU
 #                                                    machine's Python ($GLM_PD_GPU_PYTHON, default 3.12)
@@ -24,8 +24,7 @@ mkdir -p "$site"
 if compgen -G "$wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl
 fi
-ln -sfn "$PWD/common" "$site/glm_pd_common"
-export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$site:$PWD:$PWD/common${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export UCX_PROTO_INFO=${UCX_PROTO_INFO:-y}  # UCX prints the protocol it picks (cuda_ipc, or a fallback)
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>/dev/null || true

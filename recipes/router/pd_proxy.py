@@ -38,7 +38,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 
 logger = logging.getLogger("pd_proxy")
 

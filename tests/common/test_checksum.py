@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from glm_pd_common.errors import ChecksumMismatch
-from glm_pd_common.layout.checksum import page_digests, plan_digests, verify
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.tools.hostmem import HostCaches
+from glm_pd_common.transport.digests import page_digests, plan_digests, verify
 
 
 def _moved(spec, p=64, d=32):

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from glm_pd_common.errors import ConfigError, GlmPdError, LayoutMismatch, ProtocolError
-from glm_pd_common.handoff import protocol as proto
-from glm_pd_common.handoff.peer import accept_hello, make_hello
+from glm_pd_common.handoff.wire import protocol as proto
+from glm_pd_common.handoff.wire.handshake import accept_hello, make_hello
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.formats import SUPPORTED_PAGE_TOKENS
 from glm_pd_common.layout.spec import CacheSpec

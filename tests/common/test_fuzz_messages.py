@@ -18,10 +18,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from glm_pd_common.errors import ProtocolError
-from glm_pd_common.handoff import protocol as proto
-from glm_pd_common.handoff.peer import make_hello
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
-from glm_pd_common.handoff.sidechannel import SideChannelServer, SideChannelTimeout
+from glm_pd_common.handoff.wire import protocol as proto
+from glm_pd_common.handoff.wire.handshake import make_hello
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.sidechannel import SideChannelServer, SideChannelTimeout
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches

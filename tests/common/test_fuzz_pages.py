@@ -14,12 +14,13 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from glm_pd_common.errors import GlmPdError, PageOutOfRange, PlanError, ProtocolError
-from glm_pd_common.handoff import protocol as proto
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
-from glm_pd_common.layout.checksum import check_landed, flip_byte, moved_byte, page_digests, plan_digests
+from glm_pd_common.handoff.wire import protocol as proto
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from glm_pd_common.layout.digest_order import moved_byte
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.tools.hostmem import HostCaches
+from glm_pd_common.transport.digests import check_landed, flip_byte, page_digests, plan_digests
 from tests.support.hostile import (
     FUZZ,
     INT64_MAX,

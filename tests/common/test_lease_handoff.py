@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from glm_pd_common.errors import ConfigError, LeaseExpired
-from glm_pd_common.handoff.lease import RENEWALS_PER_LEASE, LeaseTable, renew_interval
-from glm_pd_common.handoff.states import Handoff, HandoffState
+from glm_pd_common.handoff.decode.states import Handoff, HandoffState
+from glm_pd_common.handoff.prefill.lease import RENEWALS_PER_LEASE, LeaseTable, renew_interval
 
 
 class Clock:

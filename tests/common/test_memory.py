@@ -15,13 +15,13 @@ import pytest
 import xxhash
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.layout.checksum import digest_runs, page_digests, plan_digests, region_pages_digest
 from glm_pd_common.layout.geometry import ModelGeometry
-from glm_pd_common.layout.memory import HOST, StagedMemory
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
+from glm_pd_common.transport.digests import digest_runs, page_digests, plan_digests, region_pages_digest
+from glm_pd_common.transport.memory import HOST, StagedMemory
 
 PAGE_TOKENS = 64
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))

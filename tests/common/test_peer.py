@@ -4,8 +4,8 @@ import msgspec
 import pytest
 
 from glm_pd_common.errors import ConfigError, LayoutMismatch, ProtocolError
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.peer import accept_hello, make_hello
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.handshake import accept_hello, make_hello
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.tools.hostmem import HostCaches
 

@@ -2,8 +2,8 @@
 names the extra it needs.
 
 Each command runs in a child interpreter started with ``-S`` (no site-packages) whose only path entry is a
-folder holding the runtime dependencies and ``glm_pd_common``: pyzmq, NIXL and Mooncake are simply not there,
-as after a plain install.
+folder holding the runtime dependencies, then the folder ``glm_pd_common`` lies in: pyzmq, NIXL and Mooncake are
+simply not there, as after a plain install.
 """
 
 import json
@@ -22,7 +22,7 @@ OPTIONAL = ("zmq", "nixl", "mooncake")
 
 
 def make_site(root: Path, dists: tuple[str, ...]) -> Path:
-    """A folder with the top-level entries of ``dists`` (packages, bundled libs, metadata) and glm_pd_common."""
+    """A folder with the top-level entries of ``dists`` (packages, bundled libs, metadata)."""
     site = root / "site"
     site.mkdir()
     for name in dists:
@@ -30,12 +30,12 @@ def make_site(root: Path, dists: tuple[str, ...]) -> Path:
         for top in sorted({f.parts[0] for f in dist.files or () if f.parts[0] != ".."}):
             if not (site / top).exists():
                 (site / top).symlink_to(Path(str(dist.locate_file(top))))
-    (site / "glm_pd_common").symlink_to(Path(glm_pd_common.__file__).parent)
     return site
 
 
 def run_in(site: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site)}
+    core = Path(glm_pd_common.__file__).parent.parent
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join((str(site), str(core)))}
     return subprocess.run(
         [sys.executable, "-S", "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
     )

@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from glm_pd_common.errors import ProtocolError
-from glm_pd_common.handoff import protocol as proto
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire import protocol as proto
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.spec import CacheSpec

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.decode_service import LoadJob, LoadResult
+from glm_pd_common.handoff.decode.service import LoadJob, LoadResult
+from glm_pd_common.handoff.wire import protocol
 from tests.support.services import PAGE_TOKENS, SEED, Decode, Prefill, wait_for
 
 STALE, FINAL = SEED + 1, SEED + 2  # what the pages hold before the GPU's writes, and after

@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from glm_pd_common.handoff import renewals
-from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, LoadResult, RemotePrefill
-from glm_pd_common.handoff.lease import renew_interval
-from glm_pd_common.handoff.prefill_service import Finished, PrefillService
+from glm_pd_common.handoff.decode import renewals
+from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.prefill.lease import renew_interval
+from glm_pd_common.handoff.prefill.service import Finished, PrefillService
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.spec import CacheSpec
 from tests.support.ports import free_port, free_port_range
@@ -53,7 +53,7 @@ def test_renewals_keep_a_waiting_request_past_its_lease(small_spec, monkeypatch,
     held and load byte-exactly; the other expired and its load fails as ``lease_expired`` even though it was
     renewed after expiring; a renewal of an id prefill never granted is ignored."""
     monkeypatch.setattr(renewals, "MAX_RENEW_IDS", 2)
-    caplog.set_level(logging.DEBUG, logger="glm_pd_common.handoff.prefill_service")
+    caplog.set_level(logging.DEBUG, logger="glm_pd_common.handoff.prefill.service")
     prefill, decode = Prefill(small_spec, lease_s=LEASE_S, timeout_s=5.0), Decode(small_spec, timeout_s=5.0)
     kept = ["kept-0", "kept-1", "kept-2"]
     try:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from glm_pd_common.errors import TransferFailed
-from glm_pd_common.handoff import prefill_service
-from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, LoadResult
+from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult
+from glm_pd_common.handoff.prefill import service as prefill_service
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.plan import build_plan
 from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill, endpoint, wait_for

@@ -7,15 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm_pd_common.handoff.decode_service import DecodeService, LoadJob, LoadResult, RemotePrefill
-from glm_pd_common.handoff.peer import Endpoint
-from glm_pd_common.handoff.prefill_service import Finished, PrefillService
+from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.prefill.service import Finished, PrefillService
+from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import Sharding, token_shard
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import SideLayout
 from glm_pd_common.tools.hostmem import HostCaches
-from glm_pd_common.transport.base import TransportConfig, create_transport
+from glm_pd_common.transport.base import TransportConfig
+from glm_pd_common.transport.factory import create_transport
 from tests.support.ports import free_port_range
 from tests.support.services import wait_for
 

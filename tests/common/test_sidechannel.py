@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.sidechannel import SideChannelClient, SideChannelServer, SideChannelTimeout, pending
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.sidechannel import SideChannelClient, SideChannelServer, SideChannelTimeout, pending
 
 
 def test_pending_returns_every_waiting_message_in_order() -> None:

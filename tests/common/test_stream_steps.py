@@ -1,4 +1,4 @@
-"""Prefill's streamed steps wait for their ready event, in step order (common/handoff/streams.py).
+"""Prefill's streamed steps wait for their ready event, in step order (common/glm_pd_common/handoff/prefill/streams.py).
 
 On a GPU a step's writes are queued, not done, when vLLM hands the connector its step: the worker records a CUDA
 event behind them and the announcement must wait for it. These gates are ready events completed by hand, so the
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.streams import Advance, StreamCall, StreamTable
+from glm_pd_common.handoff.prefill.streams import Advance, StreamCall, StreamTable
+from glm_pd_common.handoff.wire import protocol
 
 SUB = b"decode-0"
 

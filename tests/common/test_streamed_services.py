@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from glm_pd_common.handoff.decode_service import LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.decode.service import LoadJob, LoadResult, RemotePrefill
 from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill, wait_for
 
 STALE, HELD = SEED + 1, SEED + 2  # prefill's unwritten tokens; decode's own prefix hit

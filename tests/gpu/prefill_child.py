@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from glm_pd_common.handoff.peer import Endpoint
-from glm_pd_common.handoff.prefill_service import Finished, PrefillService
+from glm_pd_common.handoff.prefill.service import Finished, PrefillService
+from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape
-from glm_pd_common.transport.base import TransportConfig, create_transport
+from glm_pd_common.transport.base import TransportConfig
+from glm_pd_common.transport.factory import create_transport
 from tests.gpu.vram import VramCaches, cuda_device, glm53_spec
 
 

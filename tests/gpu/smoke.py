@@ -115,10 +115,11 @@ class Decode:
     """This process's rank: VRAM caches on its own NIXL agent, and the core's DecodeService."""
 
     def __init__(self, cache_pages: int) -> None:
-        from glm_pd_common.handoff.decode_service import DecodeService
-        from glm_pd_common.handoff.peer import Endpoint
+        from glm_pd_common.handoff.decode.service import DecodeService
+        from glm_pd_common.handoff.wire.handshake import Endpoint
         from glm_pd_common.layout.fingerprint import PeerShape
-        from glm_pd_common.transport.base import TransportConfig, create_transport
+        from glm_pd_common.transport.base import TransportConfig
+        from glm_pd_common.transport.factory import create_transport
         from tests.gpu.vram import VramCaches, cuda_device, glm53_spec
 
         self.device = cuda_device()
@@ -134,7 +135,7 @@ class Decode:
     def load(self, request_id: str, case: Case, remote: Any) -> Any:
         import numpy as np
 
-        from glm_pd_common.handoff.loads import LoadJob
+        from glm_pd_common.handoff.decode.loads import LoadJob
 
         src, dst = np.asarray(case.src, dtype=np.int64), np.asarray(case.dst, dtype=np.int64)
         self.service.submit(LoadJob(request_id, remote, src, dst, case.num_tokens, case.prefix_tokens))
@@ -183,7 +184,7 @@ def expected_bytes(case: Case) -> dict[str, int]:
 def run(pages: int) -> dict[str, Any]:
     import torch
 
-    from glm_pd_common.handoff.loads import RemotePrefill
+    from glm_pd_common.handoff.decode.loads import RemotePrefill
     from tests.gpu.vram import INDEXER_LAYERS, MAIN_LAYERS
 
     cache_pages = pages + 64

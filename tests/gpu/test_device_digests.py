@@ -18,11 +18,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_staged_digest_of_vram_equals_the_bytes_digest() -> None:
-    from glm_pd_common.layout.checksum import region_pages_digest
     from glm_pd_common.layout.geometry import ModelGeometry
-    from glm_pd_common.layout.memory import StagedMemory, cuda_copier, reader_for
     from glm_pd_common.layout.spec import CacheSpec
     from glm_pd_common.tools.hostmem import HostCaches
+    from glm_pd_common.transport.digests import region_pages_digest
+    from glm_pd_common.transport.memory import StagedMemory, cuda_copier, reader_for
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))

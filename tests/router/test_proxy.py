@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 sys.path.insert(0, str(Path(__file__).parents[2] / "recipes" / "router"))
 import pd_proxy
 
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 
 
 def _free_port() -> int:

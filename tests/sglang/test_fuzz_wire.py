@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from sglang.srt.disaggregation.common.conn import AbortNotification, CommonKVManager
 
 from glm_pd_common.errors import GlmPdError, PageOutOfRange, PlanError, ProtocolError
-from glm_pd_common.handoff.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.base import Span

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from glm_pd_common.errors import ProtocolError
-from glm_pd_common.handoff import protocol as proto
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire import protocol as proto
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 
 INT64_MIN, INT64_MAX, UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 MESSAGE_INFO: mi.UnionType = mi.type_info(proto.Message)  # type: ignore[assignment]

@@ -23,7 +23,8 @@ from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.flat import flat_region
 from glm_pd_common.tools.hostmem import HostCaches
-from glm_pd_common.transport.base import Span, TransportConfig, create_transport
+from glm_pd_common.transport.base import Span, TransportConfig
+from glm_pd_common.transport.factory import create_transport
 from tests.support.lines import LineReader
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glm_pd_common.handoff.protocol import HEARTBEAT_S
+from glm_pd_common.handoff.wire.protocol import HEARTBEAT_S
 from tests.support.ports import free_port
 
 REPO = Path(__file__).parents[2]

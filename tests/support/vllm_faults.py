@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from tests.support.ports import free_port
 from tests.support.scenarios import MAX_TOKENS, ids
 from tests.support.vllm_servers import CORE, START_S, Server, disaggregated, glm_pd_config, prefill_leg, request

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from glm_pd_common.handoff import loads
+from glm_pd_common.handoff.decode import loads
 from tests.support.vllm_engine import Engine
 
 _out = threading.Lock()

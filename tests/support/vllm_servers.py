@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from tests.support.ports import free_port
 from tests.support.scenarios import MAX_TOKENS
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from glm_pd_common.errors import TransferFailed
-from glm_pd_common.transport.base import Span, Transport, TransportConfig, create_transport, place_runs
+from glm_pd_common.transport.base import Span, Transport, TransportConfig, place_runs
+from glm_pd_common.transport.factory import create_transport
 
 pytest.importorskip("nixl")
 

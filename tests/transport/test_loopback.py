@@ -20,7 +20,8 @@ from glm_pd_common.layout.pages import num_pages_for, suffix_pages
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
-from glm_pd_common.transport.base import TransportConfig, create_transport, rdma_devices
+from glm_pd_common.transport.base import TransportConfig, rdma_devices
+from glm_pd_common.transport.factory import create_transport
 from tests.support.peerproc import PeerProcess
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))

@@ -10,7 +10,8 @@ import pytest
 
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.tools.doctor import check_mooncake_wheel
-from glm_pd_common.transport.base import Span, TransportConfig, create_transport
+from glm_pd_common.transport.base import Span, TransportConfig
+from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.mooncake import CUDA_WHEEL, HOST_WHEEL, gpu_memory_refusal, installed_wheel
 
 pytest.importorskip("mooncake")

@@ -3,7 +3,8 @@
 import pytest
 
 from glm_pd_common.errors import TransferFailed
-from glm_pd_common.transport.base import Span, TransportConfig, create_transport
+from glm_pd_common.transport.base import Span, TransportConfig
+from glm_pd_common.transport.factory import create_transport
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])

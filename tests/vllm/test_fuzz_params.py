@@ -27,8 +27,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
-from glm_pd_common.handoff.sidechannel import SideChannelClient
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_vllm.params import MAX_BLOCKS, KvTransferParams

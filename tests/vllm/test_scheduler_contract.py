@@ -11,7 +11,7 @@ import time
 import pytest
 from vllm.v1.request import RequestStatus
 
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from tests.support.ports import free_port_range
 from tests.support.vllm_engine import Engine, _mismatched
 

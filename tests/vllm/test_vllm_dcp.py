@@ -32,7 +32,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.layout.shards import Sharding
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import context_parallel

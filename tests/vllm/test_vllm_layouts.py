@@ -22,7 +22,8 @@ from glm_pd_common.errors import LayoutMismatch
 from glm_pd_common.layout.fingerprint import require_match
 from glm_pd_common.layout.pages import block_pages, suffix_pages
 from glm_pd_common.layout.plan import build_plan
-from glm_pd_common.transport.base import Span, TransportConfig, create_transport
+from glm_pd_common.transport.base import Span, TransportConfig
+from glm_pd_common.transport.factory import create_transport
 from tests.support.vllm_caches import (
     BF16,
     FP8_DS_MLA,

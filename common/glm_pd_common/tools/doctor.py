@@ -21,6 +21,7 @@ from importlib import metadata as pkg_metadata
 
 from glm_pd_common.errors import GlmPdError
 from glm_pd_common.layout.shards import describe
+from glm_pd_common.tools.args import add_model_args, cache_spec
 from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, installed
 from glm_pd_common.transport.base import rdma_devices
 from glm_pd_common.transport.mooncake import gpu_memory_refusal, installed_wheel
@@ -211,11 +212,10 @@ def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
         raise GlmPdError(f"--peer must be host:port, got {address!r}")
     if not installed("zmq"):
         return [Check("FAIL", "peer", f"{address}: cannot ask without pyzmq", install_hint("nixl"))]
-    from glm_pd_common.handoff import protocol
-    from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
-    from glm_pd_common.handoff.sidechannel import SideChannelClient
+    from glm_pd_common.handoff.wire import protocol
+    from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+    from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
     from glm_pd_common.layout.fingerprint import diff
-    from glm_pd_common.tools.cli import cache_spec
 
     spec = cache_spec(spec_args)
     client = SideChannelClient(host, int(port))
@@ -269,7 +269,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from glm_pd_common.tools.cli import add_model_args
 
     p = sub.add_parser("doctor", help="check this node before deployment")
     add_model_args(p)

@@ -19,6 +19,7 @@ from glm_pd_common.layout.formats import check_page_tokens
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.args import token_count
 from glm_pd_common.tools.demo_peers import MARK
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.tools.report import human_bytes, human_seconds, print_table
@@ -200,7 +201,6 @@ def print_report(s: dict[str, Any]) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from glm_pd_common.tools.cli import token_count
     from glm_pd_common.tools.demo_peers import MISMATCHES
 
     p = sub.add_parser("demo", help="run one real loopback handoff between two processes")

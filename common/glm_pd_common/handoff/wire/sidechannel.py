@@ -14,7 +14,7 @@ from collections.abc import Callable
 import zmq
 
 from glm_pd_common.errors import GlmPdError, ProtocolError
-from glm_pd_common.handoff import protocol
+from glm_pd_common.handoff.wire import protocol
 
 
 class SideChannelTimeout(GlmPdError):

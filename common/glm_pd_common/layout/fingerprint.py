@@ -2,7 +2,7 @@
 
 Page size, TP shape and context-parallel sharding are not part of the fingerprint: they may differ (the plan
 converts them) and travel in the hello's ``PeerShape``, checked for convertibility instead. The wire's protocol
-version is not part of it either: it lives with the protocol (``glm_pd_common.handoff.protocol``) and every
+version is not part of it either: it lives with the protocol (``glm_pd_common.handoff.wire.protocol``) and every
 message is checked against it before this is read.
 """
 

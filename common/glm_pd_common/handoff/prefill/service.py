@@ -40,19 +40,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm_pd_common.errors import GlmPdError, LeaseExpired, PlanError, ProtocolError
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.lease import LeaseTable
-from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION, FailureCode
+from glm_pd_common.handoff.prefill.lease import LeaseTable
+from glm_pd_common.handoff.prefill.ready import ReadyEvent, UnreadyGrants
+from glm_pd_common.handoff.prefill.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.handoff.queues import drain
-from glm_pd_common.handoff.ready import ReadyEvent, UnreadyGrants
-from glm_pd_common.handoff.sidechannel import SideChannelServer, SideChannelTimeout
-from glm_pd_common.handoff.streams import Advance, Outgoing, StreamCall, StreamTable
-from glm_pd_common.layout.checksum import MAX_PAGE_QUERIES, page_digests, plan_digests
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, FailureCode
+from glm_pd_common.handoff.wire.sidechannel import SideChannelServer, SideChannelTimeout
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.shards import TokenShard, token_shard
 from glm_pd_common.layout.tp import SideLayout, Source, expected_releases, source_for
+from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan_digests
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from glm_pd_common.errors import (
     ProtocolError,
     TransferFailed,
 )
-from glm_pd_common.handoff.protocol import FailureCode
-from glm_pd_common.handoff.sidechannel import SideChannelTimeout
+from glm_pd_common.handoff.wire.protocol import FailureCode
+from glm_pd_common.handoff.wire.sidechannel import SideChannelTimeout
 from glm_pd_common.layout.shards import REPLICATED, Sharding
 
 logger = logging.getLogger(__name__)

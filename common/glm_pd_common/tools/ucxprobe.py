@@ -15,7 +15,8 @@ import sys
 import numpy as np
 
 from glm_pd_common.tools.flat import flat_region
-from glm_pd_common.transport.base import Span, TransportConfig, create_transport
+from glm_pd_common.transport.base import Span, TransportConfig
+from glm_pd_common.transport.factory import create_transport
 
 PROBE_BYTES = 4 << 20
 

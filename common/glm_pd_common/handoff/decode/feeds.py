@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from glm_pd_common.errors import PlanError, ProtocolError
-from glm_pd_common.handoff import protocol
+from glm_pd_common.handoff.wire import protocol
 
 
 @dataclass

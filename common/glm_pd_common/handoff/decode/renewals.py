@@ -13,10 +13,10 @@ import threading
 from collections.abc import Callable
 
 from glm_pd_common.errors import GlmPdError
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.loads import RemotePrefill
-from glm_pd_common.handoff.prefill_links import PrefillLinks
-from glm_pd_common.handoff.protocol import MAX_RENEW_IDS, PROTOCOL_VERSION
+from glm_pd_common.handoff.decode.links import PrefillLinks
+from glm_pd_common.handoff.decode.loads import RemotePrefill
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.protocol import MAX_RENEW_IDS, PROTOCOL_VERSION
 from glm_pd_common.layout.tp import SideLayout, release_set
 
 logger = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from glm_pd_common.errors import ConfigError, LayoutMismatch, ProtocolError
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.loads import Refused, RemotePrefill
-from glm_pd_common.handoff.peer import Endpoint, PeerView, accept_hello
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
-from glm_pd_common.handoff.sidechannel import SideChannelClient
+from glm_pd_common.handoff.decode.loads import Refused, RemotePrefill
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
 
 
 @dataclass

@@ -338,13 +338,3 @@ class Transport(abc.ABC):
         self._local.clear()
         self._remote.clear()
 
-
-def create_transport(agent_name: str, config: TransportConfig) -> Transport:
-    """Import only the backend asked for: each pulls a native library."""
-    if config.backend == "nixl":
-        from glm_pd_common.transport.nixl import NixlTransport
-
-        return NixlTransport(agent_name, config)
-    from glm_pd_common.transport.mooncake import MooncakeTransport
-
-    return MooncakeTransport(agent_name, config)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
-from glm_pd_common.handoff.ready import ReadyEvent
+from glm_pd_common.handoff.prefill.ready import ReadyEvent
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 
 _MAX_ENDED = 4096  # ended transfer ids remembered, so a late subscriber or a late grant is answered at once
 

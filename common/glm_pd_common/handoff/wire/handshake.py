@@ -10,16 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm_pd_common.errors import GlmPdError, ProtocolError
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.layout.fingerprint import PeerShape, check_shape, require_match
 from glm_pd_common.layout.formats import main_page_format
-from glm_pd_common.layout.memory import HOST, MemoryReader
 from glm_pd_common.layout.pages import INT64_MAX
 from glm_pd_common.layout.regions import Region, plan_order
 from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span, Transport
+from glm_pd_common.transport.memory import HOST, MemoryReader
 
 
 def make_hello(

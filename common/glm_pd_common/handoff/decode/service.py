@@ -31,23 +31,24 @@ from dataclasses import replace
 import numpy as np
 
 from glm_pd_common.errors import GlmPdError, ProtocolError
-from glm_pd_common.handoff import protocol
-from glm_pd_common.handoff.feeds import Feed
+from glm_pd_common.handoff.decode.feeds import Feed
+from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
+from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
+from glm_pd_common.handoff.decode.renewals import Renewals
+from glm_pd_common.handoff.decode.states import Handoff, HandoffState
 from glm_pd_common.handoff.lanes import LaneMap
-from glm_pd_common.handoff.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
-from glm_pd_common.handoff.peer import Endpoint, PeerView
-from glm_pd_common.handoff.prefill_links import PrefillLink, PrefillLinks
-from glm_pd_common.handoff.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.queues import drain
-from glm_pd_common.handoff.renewals import Renewals
-from glm_pd_common.handoff.sidechannel import SideChannelClient, pending, recv_any
-from glm_pd_common.handoff.states import Handoff, HandoffState
-from glm_pd_common.layout.checksum import check_landed, flip_byte, moved_byte
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.sidechannel import SideChannelClient, pending, recv_any
+from glm_pd_common.layout.digest_order import moved_byte
 from glm_pd_common.layout.pages import block_pages, suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.layout.tp import SideLayout, Source, release_set, sources
 from glm_pd_common.transport.base import Transfer, Transport
+from glm_pd_common.transport.digests import check_landed, flip_byte
 
 __all__ = ["LANES", "DecodeService", "LoadJob", "LoadResult", "RemotePrefill"]  # the jobs live in ``loads``
 

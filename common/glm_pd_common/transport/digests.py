@@ -1,9 +1,9 @@
-"""xxh3-64 digests of the bytes a plan moves.
+"""xxh3-64 digests of the bytes a plan moves, read from registered memory.
 
-Both sides hash the same runs in the same (plan) order, so one digest per region pair compares the source
-bytes with what landed. On a mismatch, per-page digests of that one region name the first bad page. The
-bytes are read through a ``MemoryReader`` (``memory``): host memory directly, device memory staged to the
-host first, so a digest never dereferences a device address from the CPU.
+Both sides hash the same runs in the same order (``layout.digest_order``), so one digest per region pair
+compares the source bytes with what landed. On a mismatch, per-page digests of that one region name the first
+bad page. The bytes are read through a ``MemoryReader`` (``memory``): host memory directly, device memory
+staged to the host first, so a digest never dereferences a device address from the CPU.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import numpy as np
 import xxhash
 
 from glm_pd_common.errors import ChecksumMismatch
-from glm_pd_common.layout.memory import HOST, MemoryReader
-from glm_pd_common.layout.plan import RegionRuns, TransferPlan
+from glm_pd_common.layout.digest_order import Side, page_list_runs, runs_by_page, side_runs, source_page
+from glm_pd_common.layout.plan import TransferPlan
 from glm_pd_common.layout.regions import Region
+from glm_pd_common.transport.memory import HOST, MemoryReader
 
 
 def digest_runs(region: Region, offsets: np.ndarray, lengths: np.ndarray, memory: MemoryReader = HOST) -> int:
@@ -26,39 +27,21 @@ def digest_runs(region: Region, offsets: np.ndarray, lengths: np.ndarray, memory
     return h.intdigest()
 
 
-def _side(entry: RegionRuns, side: str) -> tuple[Region, np.ndarray]:
-    if side == "src":
-        return entry.src, entry.src_offsets
-    if side == "dst":
-        return entry.dst, entry.dst_offsets
-    raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
-
-
-def plan_digests(plan: TransferPlan, side: str, memory: MemoryReader = HOST) -> list[int]:
+def plan_digests(plan: TransferPlan, side: Side, memory: MemoryReader = HOST) -> list[int]:
     """One digest per region pair of the plan, over that side's bytes."""
     out = []
     for entry in plan.entries:
-        region, offsets = _side(entry, side)
+        region, offsets = side_runs(entry, side)
         out.append(digest_runs(region, offsets, entry.lengths, memory))
     return out
 
 
-def page_digests(plan: TransferPlan, entry_index: int, side: str, memory: MemoryReader = HOST) -> list[int]:
+def page_digests(plan: TransferPlan, entry_index: int, side: Side, memory: MemoryReader = HOST) -> list[int]:
     """Per destination page of one region pair: a digest of the bytes that land in that page."""
-    entry = plan.entries[entry_index]
-    fmt, chunks = entry.src.page_format, plan.chunks
-    src, dst, lengths = plan.chunk_runs(entry)
-    region, _ = _side(entry, side)
-    offsets = src if side == "src" else dst
-    segments = len(fmt.segment_bytes_per_token)
-    page_of_run = np.tile(chunks.dst_page_index, segments)
-    order = np.argsort(page_of_run, kind="stable")
-    # the runs, page by page, read as one stream: cut it where each page's bytes end
-    per_page = np.bincount(page_of_run[order], weights=lengths[order], minlength=plan.dst_pages.size)
-    page_ends = np.cumsum(per_page.astype(np.int64))
+    region, offsets, lengths, page_ends = runs_by_page(plan, entry_index, side)
     hashers = [xxhash.xxh3_64() for _ in range(plan.dst_pages.size)]
     pos, page = 0, 0
-    for chunk in memory.chunks(region, offsets[order], lengths[order]):
+    for chunk in memory.chunks(region, offsets, lengths):
         at = 0
         while at < len(chunk):
             while page_ends[page] <= pos:
@@ -116,7 +99,7 @@ def verify(
                 page = int(plan.dst_pages[bad[0]])
                 raise ChecksumMismatch(
                     f"checksum mismatch in {where}, destination page {page} "
-                    f"(source page {_source_page(plan, bad[0])}); {len(bad)} page(s) differ"
+                    f"(source page {source_page(plan, bad[0])}); {len(bad)} page(s) differ"
                 )
         raise ChecksumMismatch(f"checksum mismatch in {where}: digest {got:#018x}, source sent {want:#018x}")
 
@@ -132,35 +115,12 @@ def _check_counts(plan: TransferPlan, expected: list[int]) -> None:
         raise ChecksumMismatch(f"peer sent {len(expected)} region digests; the plan has {len(plan.entries)} regions")
 
 
-def _source_page(plan: TransferPlan, dst_page_index: int) -> int:
-    """The first source page feeding a destination page position."""
-    hit = np.flatnonzero(plan.chunks.dst_page_index == dst_page_index)
-    return int(plan.src_pages[plan.chunks.src_page_index[hit[0]]])
-
-
-def moved_byte(plan: TransferPlan) -> tuple[Region, int]:
-    """A destination byte the plan writes (the last byte of its last run), as region and offset: a flip there
-    is always among the bytes a check compares, whatever the page sizes and prefix."""
-    entry = next(e for e in reversed(plan.entries) if e.num_runs)
-    return entry.dst, int(entry.dst_offsets[-1]) + int(entry.lengths[-1]) - 1
-
-
 def flip_byte(region: Region, offset: int, memory: MemoryReader = HOST) -> None:
     """Test hook (fault matrix, demo, SGLang's corrupt_next_room): invert one byte of registered memory."""
     memory.flip(region, offset)
 
 
 def region_pages_digest(region: Region, pages: np.ndarray, memory: MemoryReader = HOST) -> int:
-    """One digest of a region's listed pages, whole and in list order.
-
-    When both sides copy whole pages of equal size (SGLang's contract), source and destination digests over
-    their own suffix lists compare directly, with no shared plan. Consecutive pages are hashed as one run.
-    """
-    ids = region.check_pages(pages)
-    if ids.size == 0:
-        return xxhash.xxh3_64_intdigest(b"")
-    if region.page_stride == region.page_bytes:
-        starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
-        lengths = np.diff(np.append(starts, ids.size)) * region.page_bytes
-        return digest_runs(region, ids[starts] * region.page_stride, lengths, memory)
-    return digest_runs(region, ids * region.page_stride, np.full(ids.size, region.page_bytes), memory)
+    """One digest of a region's listed pages, whole and in list order (``page_list_runs``)."""
+    offsets, lengths = page_list_runs(region, pages)
+    return digest_runs(region, offsets, lengths, memory)
