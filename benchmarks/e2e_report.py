@@ -13,8 +13,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from benchmarks.emit import emit_rows
 from glm_pd_common.layout.geometry import ModelGeometry
-from tests.support.emit import emit_rows
 from tests.support.tiny_dsa import TinyDsa, prompts
 from tests.support.vllm_harness import Proc, make_tiny_model
 

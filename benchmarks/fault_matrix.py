@@ -11,8 +11,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from benchmarks.emit import emit_rows
 from tests.support import vllm_fault_matrix as fault_matrix
-from tests.support.emit import emit_rows
 from tests.support.vllm_harness import make_tiny_model
 
 

@@ -12,12 +12,12 @@ import argparse
 import statistics
 import time
 
+from benchmarks.emit import emit_rows
 from glm_pd_common.layout.capacity import AccountInputs, plan_for, traffic
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.shards import Sharding
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import sources
-from tests.support.emit import emit_rows
 
 R = Sharding()
 LAYOUTS: list[tuple[str, Sharding, Sharding]] = [

@@ -12,11 +12,11 @@ import time
 
 import numpy as np
 
+from benchmarks.emit import emit_rows
 from glm_pd_common.layout.capacity import AccountInputs, plan_for
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.plan import TransferPlan
 from glm_pd_common.layout.spec import CacheSpec
-from tests.support.emit import emit_rows
 
 CASES = [(64, 64), (64, 32), (32, 64), (16, 128), (128, 16)]
 

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from benchmarks.emit import emit_rows
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
 from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
@@ -33,7 +34,6 @@ from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.factory import create_transport
-from tests.support.emit import emit_rows
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
 PAGE_TOKENS = 64

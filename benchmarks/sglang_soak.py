@@ -17,7 +17,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from tests.support.emit import emit_rows
+from benchmarks.emit import emit_rows
 from tests.support.sglang_pair import Pair
 from tests.support.tiny_glm import TINY_GLM
 

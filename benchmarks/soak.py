@@ -17,8 +17,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.emit import emit_rows
 from tests.support import vllm_fault_matrix as fm
-from tests.support.emit import emit_rows
 from tests.support.vllm_harness import make_tiny_model
 
 # fault -> what the faulted request must end as

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.emit import emit_rows
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
-from tests.support.emit import emit_rows
 from tests.support.ports import free_port
 from tests.support.tiny_mla_model import make_model
 from tests.support.vllm_servers import CORE, Server, glm_pd_config, request

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from benchmarks.emit import emit_rows
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.plan import TransferPlan, build_plan
@@ -26,7 +27,6 @@ from glm_pd_common.tools.flat import FLAT_LAYER_ID, flat_region
 from glm_pd_common.tools.hostmem import HostCaches, memcpy_gbps
 from glm_pd_common.transport.base import Transport, TransportConfig
 from glm_pd_common.transport.factory import create_transport
-from tests.support.emit import emit_rows
 from tests.support.peerproc import PeerProcess
 
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
