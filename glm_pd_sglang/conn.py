@@ -33,6 +33,7 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
+from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
 from glm_pd_common.layout.fingerprint import PeerShape
@@ -44,7 +45,6 @@ from glm_pd_common.transport.memory import reader_for
 from glm_pd_sglang import wire
 from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.kvargs import rank_caches
-from glm_pd_sglang.lanes import Lanes
 from glm_pd_sglang.model import model_geometry, scale_format
 from glm_pd_sglang.parallel import AttentionRanks, check_routing, refuse_unsupported
 from glm_pd_sglang.rooms import Target, check_aux, check_suffix, int_pages
@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _MAX_DECODE_RANKS = 256  # decode attention-TP ranks one prefill rank may serve for a room
+TRANSFER_LANES = 8  # transfer threads per prefill rank; more decode peers than this share lanes
 
 
 class GlmPdKVManager(PrefillTransfers, CommonKVManager):
@@ -105,7 +106,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         mode = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self._open_transport(args)
         if mode == "prefill":
-            self._lanes = Lanes(f"glm-pd-transfer-{self.attn_tp_rank}", self._lane_job)
+            self._lanes = LanePool(f"glm-pd-transfer-{self.attn_tp_rank}", self._lane_job, count=TRANSFER_LANES)
             self._threads = [threading.Thread(target=self._prefill_loop, name="glm-pd-bootstrap", daemon=True)]
         else:
             self._threads = [threading.Thread(target=self._decode_loop, name="glm-pd-listener", daemon=True)]

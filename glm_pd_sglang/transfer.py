@@ -20,12 +20,12 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import PlanError, ProtocolError, TransferFailed
+from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.wire.handshake import PeerView
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.tp import SideLayout, source_for
 from glm_pd_common.transport.base import Span
 from glm_pd_sglang import wire
-from glm_pd_sglang.lanes import Lanes
 from glm_pd_sglang.rooms import Target, aux_runs, int_pages
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class PrefillTransfers:
     _prefill_aborts: dict[int, list[tuple[str, int]]]
     test_transfer_faults: dict[int, str]
     test_drop_indexer: set[int]
-    _lanes: Lanes[Chunk]
+    _lanes: LanePool[Chunk]
     _released: bool
 
     if TYPE_CHECKING:  # CommonKVManager's and the manager's (a stub here would shadow them in the MRO)

@@ -36,7 +36,7 @@ from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
 from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
 from glm_pd_common.handoff.decode.renewals import Renewals
 from glm_pd_common.handoff.decode.states import Handoff, HandoffState
-from glm_pd_common.handoff.lanes import LaneMap
+from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView
@@ -79,10 +79,6 @@ class _Batches(list[Transfer]):
             self.transport.wait(xfer, timeout_s)
 
 
-class _Wake:
-    """Put on a lane's queue so an idle lane sends its pending renewals now."""
-
-
 class DecodeService:
     def __init__(
         self,
@@ -100,24 +96,23 @@ class DecodeService:
         self._beats = 0
         self._links = PrefillLinks(local, timeout_s, self._progress)
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
-        self._lanes: list[queue.SimpleQueue[LoadJob | _Wake | None]] = [queue.SimpleQueue() for _ in range(lanes)]
-        self._lane_of = LaneMap(lanes)  # prefill engine (rank 0's address) -> its lane
         self._renewals = Renewals(lanes, self._links, local.shape.tp_rank, self._layouts)
         self._lock = threading.Lock()
-        self._here = threading.local()  # ``lane``: which lane the calling service thread is
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # under ``_lock``
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), name=f"glm-pd-decode-{local.engine_id}-{i}", daemon=True)
-            for i in range(lanes)
-        ]
-        for thread in self._threads:
-            thread.start()
+        # a prefill engine (rank 0's address) keeps its lane; renewals go out before each wait for a load, so
+        # one never waits behind a backlog of loads
+        self._lanes: LanePool[LoadJob] = LanePool(
+            f"glm-pd-decode-{local.engine_id}",
+            self._serve,
+            count=lanes,
+            idle_s=heartbeat_s,
+            between=self._renewals.send,
+            idle=self._heartbeat,
+        )
 
     # -- engine-facing, thread-safe ---------------------------------------------------------------
     def submit(self, job: LoadJob) -> None:
-        with self._lock:
-            lane = self._lane_of.assign(job.remote.address)
-        self._lanes[lane].put(job)
+        self._lanes.submit(job.remote.address, job)
 
     def renew(self, remote: RemotePrefill, remote_request_ids: list[str]) -> None:
         """Keep prefill's leases of these requests (prefill's ids) while they wait for decode's blocks: call it
@@ -125,10 +120,9 @@ class DecodeService:
         them (``Renewals.send``)."""
         if not remote_request_ids:
             return
-        with self._lock:
-            lane = self._lane_of.assign(remote.address)
+        lane = self._lanes.lane_of(remote.address)
         if self._renewals.add(lane, remote, remote_request_ids):
-            self._lanes[lane].put(_Wake())
+            self._lanes.wake(lane)
 
     def cancel(self, request_id: str) -> None:
         """Decode no longer wants this streamed load (its client went): it ends at its next message, failed as
@@ -145,46 +139,26 @@ class DecodeService:
         """What this service holds now. Once every load has ended and its result was collected: ``queued``
         and ``results`` are 0, ``prefill_peers`` is at most the prefill ranks still in use, and
         ``transport_peers`` equals ``prefill_peers``. ``lanes_assigned`` (engine address -> lane) is bounded by
-        ``LaneMap``'s cap: a lane must stay its engine's while loads for it may be queued."""
+        the lanes' cap: a lane must stay its engine's while loads for it may be queued."""
         return {
-            "queued": sum(lane.qsize() for lane in self._lanes),
+            "queued": self._lanes.queued(),
             "results": self._results.qsize(),
             "prefill_peers": len(self._links),
             "transport_peers": len(self.local.transport.remote_peers()),
-            "lanes_assigned": len(self._lane_of),
+            "lanes_assigned": self._lanes.assigned(),
         }
 
     def close(self) -> None:
-        for lane in self._lanes:
-            lane.put(None)
-        deadline = time.monotonic() + self.timeout_s + 5
-        for thread in self._threads:
-            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._lanes.close(self.timeout_s + 5)
         self._links.close()
 
     # -- the service thread -----------------------------------------------------------------------
-    def _run(self, lane: int) -> None:
-        jobs = self._lanes[lane]
-        self._here.lane = lane
-        while True:
-            self._renewals.send(lane)  # before each load: a renewal never waits behind a backlog of loads
-            try:
-                job = jobs.get(timeout=self.heartbeat_s)
-            except queue.Empty:
-                try:
-                    self._heartbeat(lane)
-                except Exception as exc:  # a lost heartbeat only risks a re-handshake later
-                    logger.warning("glm-pd decode: heartbeat from lane %d failed: %r", lane, exc)
-                continue
-            if job is None:
-                return
-            if isinstance(job, _Wake):
-                continue
-            try:
-                self._results.put(self._load(job))
-            except Exception as exc:  # a bug must fail one request, never wedge the engine
-                logger.exception("glm-pd decode: load of %s crashed", job.request_id)
-                self._results.put(LoadResult(job.request_id, False, f"internal error: {exc!r}", "internal"))
+    def _serve(self, job: LoadJob) -> None:
+        try:
+            self._results.put(self._load(job))
+        except Exception as exc:  # a bug must fail one request, never wedge the engine
+            logger.exception("glm-pd decode: load of %s crashed", job.request_id)
+            self._results.put(LoadResult(job.request_id, False, f"internal error: {exc!r}", "internal"))
 
     def _load(self, job: LoadJob) -> LoadResult:
         handoff = Handoff(job.request_id)
@@ -485,16 +459,19 @@ class DecodeService:
 
     def _heartbeat(self, lane: int) -> None:
         """Tell this lane's prefill peers we are alive (an idle connection looks like a gone one)."""
-        for peer in self._links.all():
-            if self._lane_of.of(peer.engine) == lane:
-                self._beats += 1
-                peer.client.send(
-                    protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats)
-                )
+        try:
+            for peer in self._links.all():
+                if self._lanes.lane_for(peer.engine) == lane:
+                    self._beats += 1
+                    peer.client.send(
+                        protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats)
+                    )
+        except Exception as exc:  # a lost heartbeat only risks a re-handshake later
+            logger.warning("glm-pd decode: heartbeat from lane %d failed: %r", lane, exc)
 
     def _progress(self) -> None:
         """While a lane waits for a peer: the transport's progress, and renewals that need no handshake."""
         self.local.transport.notifs()
-        lane = getattr(self._here, "lane", None)
+        lane = self._lanes.current()
         if lane is not None and self._renewals.due(lane):
             self._renewals.send(lane, connect=False)
