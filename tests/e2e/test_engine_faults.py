@@ -70,6 +70,19 @@ def still_serves(engines: dict, pair: FaultPair, offset: int, prefill: Server | 
     assert idle["kv_cache_usage"] == 0, f"decode still holds blocks: {idle}"
 
 
+def holding(holders: list[Stream], when: str, *, others: tuple[Stream, ...] = ()) -> None:
+    """The crowded cases' premise: every holder still streams, so decode's blocks are still taken. A holder cannot
+    be kept from finishing (it generates as fast as the engine runs, and on a loaded machine the other leg can take
+    longer than all of its tokens), so a case whose holder ended is skipped, naming when, rather than read as the
+    connector's failure; its clients go first, so the next case finds decode idle."""
+    ended = [i for i, h in enumerate(holders) if h.done.is_set()]
+    if ended:
+        states = [(len(h.tokens), h.finish_reason, h.error) for h in holders]
+        for stream in (*holders, *others):
+            stream.close()
+        pytest.skip(f"premise failed {when}: holder(s) {ended} had ended (tokens, finish, error: {states})")
+
+
 def crowded(decode: Server, held: int, waiting: int) -> None:
     """The case's premise, on the cache decode's engine configured: requests holding ``held`` tokens fit (no
     preemption), and leave too few free blocks for a request of ``waiting`` tokens."""
@@ -92,12 +105,13 @@ def test_client_gone_while_waiting_for_blocks(engines: dict, pair: FaultPair) ->
         blocked = Stream(url, request(model, BLOCKED, ignore_eos=True))
         waiting = wait_for(
             decode.scheduler_state,
-            lambda s: s.get("waiting_capacity") == 1 and s["running"] == 2,
+            lambda s: (s.get("waiting_capacity") == 1 and s["running"] == 2) or any(f.done.is_set() for f in fillers),
             30,
             "the third request waits for blocks beside the two streams",
         )
+        holding(fillers, f"when the third request waited ({waiting})", others=(blocked,))
         time.sleep(1)
-        assert not any(f.done.is_set() for f in fillers), "the fillers ended before the client went"
+        holding(fillers, "when the blocked request's client went", others=(blocked,))
         blocked.close()
         streamed = [f.result(120) for f in fillers]
     errors = decode.engine_errors(offset)
@@ -175,11 +189,20 @@ def test_queue_wait_past_the_lease_is_kept_alive(engines: dict, pair: FaultPair)
     holders = [Stream(decode.url, {**b, "kv_transfer_params": prefill_leg(engines["prefill"], b)}) for b in bodies]
     all_streaming(holders, decode, offset, 60, "both holders stream")
     late_body = request(model, LATE, ignore_eos=True)
-    late = Stream(decode.url, {**late_body, "kv_transfer_params": prefill_leg(pair.prefill, late_body)})
-    wait_for(decode.scheduler_state, lambda s: s.get("waiting_capacity") == 1, 10, "the late one waits")
+    late_params = prefill_leg(pair.prefill, late_body)
+    holding(holders, "after the late request's prefill leg")
+    late = Stream(decode.url, {**late_body, "kv_transfer_params": late_params})
+    waits = wait_for(
+        decode.scheduler_state,
+        lambda s: s.get("waiting_capacity") == 1 or any(h.done.is_set() for h in holders),
+        60,
+        "the late one waits, or a holder ended",
+    )
+    holding(holders, f"when the late request reached decode ({waits})", others=(late,))
     time.sleep(LEASE_S + 1)
-    assert decode.scheduler_state().get("waiting_capacity") == 1, "it got blocks before its lease ran out"
-    assert not any(h.done.is_set() for h in holders), "the holders ended before the lease did"
+    state = decode.scheduler_state()
+    holding(holders, f"past the late request's lease ({state})", others=(late,))
+    assert state.get("waiting_capacity") == 1, f"it got blocks while both holders streamed: {state}"
     before_load = decode.log_size()
     for holder in holders:
         holder.close()
