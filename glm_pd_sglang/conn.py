@@ -33,13 +33,14 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
+from glm_pd_common.handoff.faults import HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.transport.base import TransportConfig
-from glm_pd_common.transport.digests import flip_byte, region_pages_digest
+from glm_pd_common.transport.digests import region_pages_digest
 from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
 from glm_pd_sglang import wire
@@ -88,13 +89,8 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         self._digests: dict[int, list[wire.Digests]] = {}
         self.refusals: dict[int, str] = {}
         self.stats: dict[str, float] = {}
-        # Test hook: a room whose last indexer page gets one byte flipped after it lands, before
-        # verification (what a faulty link or a stray writer would leave behind).
-        self.corrupt_next_room: int | None = None
-        # Test hook: room -> "error" | "hang", applied to that room's first posted batch (common/transport).
-        self.test_transfer_faults: dict[int, str] = {}
-        # Test hook: rooms whose indexer this rank never writes (a shard's indexer lost on the way).
-        self.test_drop_indexer: set[int] = set()
+        # A test's fault injector (SGLang builds the manager, so the test hands it over here); None in production.
+        self.faults: HandoffFaults | None = None
         # Rooms prefill aborted whose decode ranks are told once no write of theirs is outstanding.
         self._prefill_aborts: dict[int, list[tuple[str, int]]] = {}
         self._registrations: dict[str, wire.Registration] = {}  # prefill: accepted decode registrations
@@ -298,10 +294,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
     def verify_room(self, room: int, pages: np.ndarray) -> str | None:
         """Compare what landed with prefill's digests; returns the problem, or None when every region matches."""
         sent = self._digests.pop(room, None)
-        if self.corrupt_next_room == room and pages.size:
-            self.corrupt_next_room = None
-            region = self.caches.regions[-1]
-            flip_byte(region, int(pages[-1]) * region.page_stride, self.endpoint.memory)
+        if self.faults is not None and pages.size:
+            region = self.caches.regions[-1]  # the last indexer (or main) region: its last page landed last
+            self.faults.landed(str(room), region, int(pages[-1]) * region.page_stride)
         if not sent:
             return "glm-pd checksum verification is on, but prefill sent no digests (is it verifying too?)"
         theirs: dict[str, int] = {}

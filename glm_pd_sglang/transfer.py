@@ -20,11 +20,12 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import PlanError, ProtocolError, TransferFailed
+from glm_pd_common.handoff.faults import HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.wire.handshake import PeerView
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.tp import SideLayout, source_for
-from glm_pd_common.transport.base import Span
+from glm_pd_common.transport.base import Span, Transfer
 from glm_pd_sglang import wire
 from glm_pd_sglang.rooms import Target, aux_runs, int_pages
 
@@ -77,8 +78,7 @@ class PrefillTransfers:
     _expected_pages: dict[int, int]
     _sent_pages: dict[int, list[np.ndarray]]
     _prefill_aborts: dict[int, list[tuple[str, int]]]
-    test_transfer_faults: dict[int, str]
-    test_drop_indexer: set[int]
+    faults: HandoffFaults | None
     _lanes: LanePool[Chunk]
     _released: bool
 
@@ -233,8 +233,6 @@ class PrefillTransfers:
         dst: np.ndarray,
         first_token: int,
     ) -> None:
-        if room in self.test_drop_indexer:
-            kinds = tuple(k for k in kinds if k != "indexer")
         mine = [r for r in self.caches.regions if r.kind in kinds]
         theirs = [r for r in peer.view.regions if r.kind in kinds]
         if not any(r.layer_id in layers for r in mine + theirs):
@@ -243,10 +241,11 @@ class PrefillTransfers:
         plan = build_plan(
             mine, theirs, src, dst, num_tokens=first_token + src.size * page, prefix_tokens=first_token, layers=layers
         )
+        if self.faults is not None:
+            self.faults.at(str(room), "posting")
         xfer = self.transport.post_plan(t.agent_name, plan, "WRITE")
-        xfer.test_fault = self.test_transfer_faults.pop(room, "")
         self._wait(xfer)
-        self._count(plan)
+        self._count(plan, xfer)
 
     def _post_aux(self, t: Target, peer: DecodePeer, aux_index: int | None) -> None:
         if aux_index is None or t.aux_index is None:
@@ -261,9 +260,11 @@ class PrefillTransfers:
         finally:
             self.transport.release(xfer)
 
-    def _count(self, plan: TransferPlan) -> None:
-        for kind, n in plan.bytes_by_kind().items():
-            self._add_stat(f"{kind}_bytes", n)
+    def _count(self, plan: TransferPlan, xfer: Transfer) -> None:
+        """Bytes as the transport reported them moved (a batch that failed moved none); runs as planned."""
+        moved = xfer.completed_bytes_by_kind
+        for kind in plan.bytes_by_kind():
+            self._add_stat(f"{kind}_bytes", moved.get(kind, 0))
         for kind, n in plan.runs_by_kind().items():
             self._add_stat(f"{kind}_runs", n)
 

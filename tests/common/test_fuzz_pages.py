@@ -20,7 +20,8 @@ from glm_pd_common.layout.digest_order import moved_byte
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.tools.hostmem import HostCaches
-from glm_pd_common.transport.digests import check_landed, flip_byte, page_digests, plan_digests
+from glm_pd_common.transport.digests import check_landed, page_digests, plan_digests
+from tests.support.faults import flip
 from tests.support.hostile import (
     FUZZ,
     INT64_MAX,
@@ -219,12 +220,12 @@ def test_digest_replies_are_checked_or_refused(landed, data, corrupt) -> None:
     plan = landed
     real = plan_digests(plan, "src")
     if corrupt:
-        flip_byte(*moved_byte(plan))  # flipped back below: the fixture's memory is shared by every example
+        flip(*moved_byte(plan))  # flipped back below: the fixture's memory is shared by every example
     try:
         check_replies(plan, real, corrupt, data)
     finally:
         if corrupt:
-            flip_byte(*moved_byte(plan))
+            flip(*moved_byte(plan))
 
 
 def check_replies(plan: TransferPlan, real: list[int], corrupt: bool, data: st.DataObject) -> None:

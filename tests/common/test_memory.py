@@ -21,7 +21,7 @@ from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.digests import digest_runs, page_digests, plan_digests, region_pages_digest
-from glm_pd_common.transport.memory import HOST, StagedMemory
+from glm_pd_common.transport.memory import StagedMemory
 
 PAGE_TOKENS = 64
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
@@ -62,7 +62,7 @@ def test_the_host_reader_refuses_device_memory_by_name(caches) -> None:
     with pytest.raises(ConfigError, match=r"is VRAM on device 2: its digest cannot be read through a host pointer"):
         digest_runs(region, np.array([0]), np.array([16]))
     with pytest.raises(ConfigError, match=re.escape(region.name)):
-        HOST.flip(region, 0)
+        digest_runs(region, np.array([16]), np.array([1]))
 
 
 @pytest.mark.parametrize("staging", [1, 100, 4096, 1 << 20])

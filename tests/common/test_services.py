@@ -139,8 +139,9 @@ def test_bytes_moved_are_the_transfers_that_completed(small_spec) -> None:
         done = transport.post_plan("prefill-0", plan, "READ")
         transport.wait(done, 10.0)
         assert done.completed_bytes_by_kind == want
+        decode.faults.kinds["hung"] = "transport_hang"
+        decode.faults.at("hung", "posting")  # what the service calls before a load's first batch
         hung = transport.post_plan("prefill-0", plan, "READ")
-        hung.test_fault = "hang"
         with pytest.raises(TransferFailed, match="did not complete"):
             transport.wait(hung, 0.5)
         assert hung.completed_bytes_by_kind == {}

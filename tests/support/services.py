@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 import numpy as np
@@ -20,6 +21,7 @@ from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.factory import create_transport
+from tests.support.faults import FaultyTransport, Injector
 
 PAGE_TOKENS, NUM_PAGES, SEED = 64, 16, 5
 T = TypeVar("T")
@@ -89,14 +91,20 @@ class Decode:
     def __init__(
         self, spec: CacheSpec, name: str = "decode-0", *, timeout_s: float = 10.0, beat_s: float = 0.2
     ) -> None:
-        self.caches, self.local = endpoint(spec, name, timeout_s)
-        self.service = DecodeService(self.local, timeout_s=timeout_s, verify_digests=True, heartbeat_s=beat_s)
+        self.caches, local = endpoint(spec, name, timeout_s)
+        self.faults = Injector()
+        self.local = replace(local, transport=FaultyTransport(local.transport, self.faults))
+        self.service = DecodeService(
+            self.local, timeout_s=timeout_s, verify_digests=True, heartbeat_s=beat_s, faults=self.faults
+        )
 
     def load(self, prefill: Prefill, request_id: str, num_tokens: int, fault: str = "") -> LoadResult:
         pages = np.arange(NUM_PAGES, dtype=np.int64)
         n_src = -(-num_tokens // PAGE_TOKENS)
         prefill.service.grant(request_id, prefill.table[:n_src])
-        job = LoadJob(request_id, prefill.remote, prefill.table[:n_src], pages[:n_src], num_tokens, 0, test_fault=fault)
+        if fault:
+            self.faults.kinds[request_id] = fault
+        job = LoadJob(request_id, prefill.remote, prefill.table[:n_src], pages[:n_src], num_tokens, 0)
         self.service.submit(job)
         results = wait_for(self.service.results, bool, 30.0)
         assert results, f"no result for {request_id} within 30 s"

@@ -159,9 +159,9 @@ class PrefillLoop:
                     r.release_and_resume()
             for i, r in enumerate(self.ranks):
                 if spec.get("prefill_fault") in ("error", "hang"):
-                    r.mgr.test_transfer_faults[spec["room"]] = spec["prefill_fault"]
+                    r.faults.kinds[str(spec["room"])] = f"transport_{spec['prefill_fault']}"
                 if spec.get("prefill_fault") == "drop_indexer" and i in spec["fault_ranks"]:
-                    r.mgr.test_drop_indexer.add(spec["room"])
+                    r.faults.kinds[str(spec["room"])] = "drop_indexer"
                 req = self._req(spec)
                 r.queue.add(req, num_kv_heads=1)
                 self.active[i].append(Running(spec, req, time.perf_counter()))
@@ -331,8 +331,7 @@ class PrefillLoop:
                 run.req.disagg_kv_sender.clear()
             self._release(r, run)
             self.active[i].remove(run)
-            r.mgr.test_transfer_faults.pop(room, None)
-            r.mgr.test_drop_indexer.discard(room)
+            r.faults.kinds.pop(str(room), None)
         self.results.append(out)
 
     def _release(self, r: Rank, run: Running) -> None:

@@ -218,7 +218,7 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
                 if fault == "abort":
                     rc.abort()
                 if fault == "corrupt":
-                    r.mgr.corrupt_next_room = room
+                    r.faults.kinds[str(room)] = "corrupt"
             between = look_between_chunks(ranks, slots, room, out) if req.get("observe_chunks") else None
             states = walk(receivers, (KVPoll.Success,), deadline, between)
             for r, s in zip(ranks, slots, strict=True):

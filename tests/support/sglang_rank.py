@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.runtime_context import get_context, get_parallel
 
+from tests.support.faults import FaultyTransport, Injector
 from tests.support.tiny_dsa import PagedCache
 
 MAX_REQS = 16  # request rows and metadata slots per rank
@@ -182,6 +183,13 @@ class Rank:
             self.transitions.append((room, int(self.mgr.request_status.get(room, -1))))
 
         self.mgr.update_status = spy
+        self.faults = Injector()  # room (as text) -> its fault (tests/support/faults.py)
+        self.mgr.faults = self.faults
+        self._wrap_transport()
+
+    def _wrap_transport(self) -> None:
+        """The manager's transport behind the fault-injecting wrapper (SGLang built both, so the test hands it)."""
+        self.mgr.transport = FaultyTransport(self.mgr.transport, self.faults)
 
     def release_and_resume(self) -> None:
         """SGLang's ``release_memory_occupation`` then ``resume_memory_occupation`` on the role's queue, with
@@ -197,6 +205,7 @@ class Rank:
         dsa = args.state_types.index(StateType.DSA)
         args.state_data_ptrs[dsa] = [moved.get(p, p) for p in args.state_data_ptrs[dsa]]  # 0-row: nothing moved
         self.queue.resume_memory_occupation()
+        self._wrap_transport()  # the resume opened a new transport
 
     def paged(self, table: np.ndarray) -> PagedCache:
         """The tiny model's view of this rank's pool: page p of a layer is rows [p * page, (p + 1) * page)."""

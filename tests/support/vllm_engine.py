@@ -44,6 +44,7 @@ from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import cache_spec, context_parallel
+from tests.support.faults import FaultyTransport, Injector
 
 SAMPLED = 7  # the token the forward double samples
 POISON = 0xA5  # a freed, uncached block is overwritten at once, as a busy engine reuses it
@@ -163,11 +164,16 @@ class Engine:
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(hash_block, hash_fn)
-        self.faults: dict[str, str] = {}  # request id -> a decode-service test hook (handoff.loads.FAULTS)
+        # request id -> its fault (tests/support/faults.py), for every decode rank: the injector and the wrapping
+        # transport are handed to each rank's service as a test builds one (the worker built these itself)
+        self.faults: dict[str, str] = {}
         for worker in self.workers:
             service = worker._worker.decode
             if service is not None:
-                service.submit = self._with_fault(service.submit)
+                service.faults = Injector(self.faults)
+                service.local = dataclasses.replace(
+                    service.local, transport=FaultyTransport(service.local.transport, service.faults)
+                )
         self.tracked: dict[str, Tracked] = {}
         self.invalid_block_ids: set[int] = set()  # every id a worker reported, for the tests' account
         self.reported_recving: list[str] = []  # every finished_recving vLLM's scheduler was given
@@ -175,12 +181,6 @@ class Engine:
         self.counts: dict[str, float] = {}  # the connector's stats counters, summed over steps
         self.rank_counts: list[dict[str, float]] = [{} for _ in configs]  # the same, per TP rank (before merging)
         self._owned: set[int] = set()
-
-    def _with_fault(self, submit):
-        def wrapped(job):
-            submit(dataclasses.replace(job, test_fault=self.faults.get(job.request_id, "")))
-
-        return wrapped
 
     # -- the driver's side (what the API server hands EngineCore) ---------------------------------
     def add(

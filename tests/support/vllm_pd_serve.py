@@ -106,7 +106,8 @@ class Serving:
     def _start_decode(self, cmd: dict) -> None:
         rid, n, prefix, seed = cmd["rid"], cmd["n"], cmd["prefix"], cmd["seed"]
         segments = [(prefix, seed + PREFIX_SALT), (n, seed)] if prefix else [(n, seed)]
-        self.engine.faults[rid] = cmd.get("fault", "")
+        if cmd.get("fault"):
+            self.engine.faults[rid] = cmd["fault"]
         self.engine.add(rid, prompt_of(seed, n), segments, cmd["params"])
         self.loading[rid] = {"t0": cmd["t0"], "aborted": False}
 

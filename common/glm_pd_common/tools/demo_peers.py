@@ -20,11 +20,13 @@ import numpy as np
 
 from glm_pd_common.errors import GlmPdError
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.faults import FaultPoint
 from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
+from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches, memcpy_gbps
 from glm_pd_common.transport.base import TransportConfig
@@ -130,6 +132,23 @@ def run_prefill(job: dict[str, Any]) -> int:
     return 0 if outcome in ("released", "aborted") else 1
 
 
+class CorruptLanded:
+    """``--inject-corruption``: one landed byte inverted before the check, as a faulty link would leave it, to show
+    the check naming the region and page. The demo's only fault; every other point passes."""
+
+    def __init__(self, caches: HostCaches) -> None:
+        self.caches = caches
+
+    def at(self, key: str, point: FaultPoint) -> None:
+        pass
+
+    def landed(self, key: str, region: Region, offset: int) -> None:
+        self.caches.flip(region, offset)
+
+    def confirmations(self, key: str) -> int:
+        return 1
+
+
 def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
     n, prefix = params["num_tokens"], job["prefix_tokens"]
     caches, table, local = _endpoint(job, "decode", job["decode_page_tokens"])
@@ -139,6 +158,7 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
         local,
         timeout_s=job["timeout_s"],
         verify_digests=job["verify"],
+        faults=CorruptLanded(caches) if job.get("inject_corruption") else None,
     )
     remote = RemotePrefill(params["engine_id"], "127.0.0.1", params["port"], 1)
     service.submit(
@@ -149,7 +169,6 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
             table,
             n,
             prefix,
-            test_fault="corrupt" if job.get("inject_corruption") else "",
         )
     )
     deadline = time.monotonic() + 4 * job["timeout_s"]

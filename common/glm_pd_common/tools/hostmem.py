@@ -131,6 +131,10 @@ class HostCaches:
             held=held,
         )
 
+    def flip(self, region: Region, offset: int) -> None:
+        """Invert one byte of a region (the demo's injected corruption: a faulty link's damage)."""
+        self.buffers[region.kind, region.layer_id].reshape(-1)[offset] ^= 0xFF
+
     @staticmethod
     def bytes_needed(spec: CacheSpec, *, page_tokens: int, num_pages: int) -> int:
         g = spec.geometry

@@ -77,7 +77,6 @@ class Transfer:
     num_bytes: int  # the descriptor lengths posted
     what: str
     handle: Any = None  # backend-specific (NIXL handles, a mooncake Future): each backend knows its own
-    test_fault: str = ""  # test hook: "error" fails the next poll as a backend error would; "hang" never completes
     bytes_by_kind: dict[str, int] = field(default_factory=dict)  # posted descriptor lengths by region kind
     completed: bool = False  # set by ``poll`` once the backend reports the whole batch done
 
@@ -294,10 +293,8 @@ class Transport(abc.ABC):
         return xfer
 
     def poll(self, xfer: Transfer) -> bool:
-        if xfer.test_fault == "error":
-            raise TransferFailed(f"{self.backend} {xfer.op} of {xfer.what} with peer {xfer.peer} failed (injected)")
         try:
-            done = self._poll(xfer) and xfer.test_fault != "hang"
+            done = self._poll(xfer)
         except TransferFailed:
             raise
         except Exception as exc:

@@ -115,11 +115,6 @@ def _check_counts(plan: TransferPlan, expected: list[int]) -> None:
         raise ChecksumMismatch(f"peer sent {len(expected)} region digests; the plan has {len(plan.entries)} regions")
 
 
-def flip_byte(region: Region, offset: int, memory: MemoryReader = HOST) -> None:
-    """Test hook (fault matrix, demo, SGLang's corrupt_next_room): invert one byte of registered memory."""
-    memory.flip(region, offset)
-
-
 def region_pages_digest(region: Region, pages: np.ndarray, memory: MemoryReader = HOST) -> int:
     """One digest of a region's listed pages, whole and in list order (``page_list_runs``)."""
     offsets, lengths = page_list_runs(region, pages)

@@ -25,14 +25,10 @@ STAGING_BYTES = 64 << 20
 
 
 class MemoryReader(Protocol):
-    """Reads registered memory for digests (and the corruption test hook)."""
+    """Reads registered memory for digests."""
 
     def chunks(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[memoryview]:
         """The bytes of ``region``'s runs, concatenated in run order, as one or more host buffers."""
-        ...
-
-    def flip(self, region: Region, offset: int) -> None:
-        """Test hook: invert one byte of the region."""
         ...
 
     def can_read(self, mem_kind: str) -> bool: ...
@@ -62,19 +58,13 @@ class HostMemory:
         for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
             yield _host_view(region.base_addr + off, n)
 
-    def flip(self, region: Region, offset: int) -> None:
-        self._check(region)
-        byte = ctypes.c_uint8.from_address(region.base_addr + offset)
-        byte.value ^= 0xFF
-
 
 HOST = HostMemory()
 
 
 class StagedMemory(HostMemory):
     """DRAM as ``HostMemory``; device memory copied to the host (``copy``), as many runs per copy as fit in
-    ``staging_bytes``, so a region's digest costs one device-to-host copy per ``staging_bytes``. The
-    corruption test hook stays host-only: on device memory it is refused."""
+    ``staging_bytes``, so a region's digest costs one device-to-host copy per ``staging_bytes``."""
 
     def __init__(self, copy: Copier, *, staging_bytes: int = STAGING_BYTES) -> None:
         self._copy = copy

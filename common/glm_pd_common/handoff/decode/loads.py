@@ -1,5 +1,5 @@
-"""What one decode load is and how it ends: the job the adapter submits, the result it collects, why a
-failed load failed (``FAILURE_CODES``), and the test hooks a job may carry.
+"""What one decode load is and how it ends: the job the adapter submits, the result it collects, and why a
+failed load failed (``FAILURE_CODES``).
 
 Kept apart from ``decode_service`` (the threads that run loads) so the adapters and tools that only build
 jobs and read results need none of the service machinery.
@@ -7,7 +7,6 @@ jobs and read results need none of the service machinery.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -27,8 +26,6 @@ from glm_pd_common.errors import (
 from glm_pd_common.handoff.wire.protocol import FailureCode
 from glm_pd_common.handoff.wire.sidechannel import SideChannelTimeout
 from glm_pd_common.layout.shards import REPLICATED, Sharding
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,6 @@ class LoadJob:
     num_tokens: int
     prefix_tokens: int  # decode's local prefix hit (page-aligned): those pages stay
     read: bool = True  # False: nothing to read (all tokens hit locally), only release prefill's pages
-    test_fault: str = ""  # test hook, one of FAULTS ("kind" or "kind:seconds"); never set from remote input
     remote_request_id: str = ""  # prefill's id for the request, when the engines name it differently
     stream_id: str = ""  # a streamed transfer: read while prefill runs (``remote_pages`` come from prefill)
     submitted_at: float = field(default_factory=time.monotonic)
@@ -67,19 +63,6 @@ class LoadJob:
     def lease_id(self) -> str:
         """Prefill's name for what decode claims, confirms or aborts (a streamed load: the transfer id)."""
         return self.stream_id or self.remote_request_id or self.request_id
-
-
-# Test hooks (the fault matrix and the demo): what each does to one load.
-FAULTS = {
-    "corrupt": "flip one landed byte before verification",
-    "stall_before_claim": "wait N s after the handshake, before claiming the lease",
-    "stall_mid": "wait N s after posting the first layer's reads, before the others",
-    "stall_before_release": "wait N s after the reads (and verification), before confirming",
-    "transport_error": "the first batch fails as if the backend reported an error",
-    "transport_hang": "the first batch never reports completion",
-    "lose_release": "the confirmation is never sent (a lost message); its answer is still awaited",
-    "duplicate_release": "the confirmation is sent twice",
-}
 
 
 @dataclass
@@ -135,10 +118,3 @@ class Phases:
         now = time.monotonic()
         self.into[phase], self.last = now - self.last, now
 
-
-def stall(job: LoadJob, kind: str) -> None:
-    """The ``stall_*`` test hooks: sleep where ``kind`` says, if the job asks for it."""
-    name, _, seconds = job.test_fault.partition(":")
-    if name == kind:
-        logger.warning("glm-pd test hook: %s stalls %s s (%s)", job.request_id, seconds, kind)
-        time.sleep(float(seconds))

@@ -33,9 +33,10 @@ import numpy as np
 from glm_pd_common.errors import GlmPdError, ProtocolError
 from glm_pd_common.handoff.decode.feeds import Feed
 from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
-from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code, stall
+from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code
 from glm_pd_common.handoff.decode.renewals import Renewals
 from glm_pd_common.handoff.decode.states import Handoff, HandoffState
+from glm_pd_common.handoff.faults import FaultPoint, HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.wire import protocol
@@ -48,7 +49,7 @@ from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.layout.tp import SideLayout, Source, release_set, sources
 from glm_pd_common.transport.base import Transfer, Transport
-from glm_pd_common.transport.digests import check_landed, flip_byte
+from glm_pd_common.transport.digests import check_landed
 
 __all__ = ["LANES", "DecodeService", "LoadJob", "LoadResult", "RemotePrefill"]  # the jobs live in ``loads``
 
@@ -88,8 +89,10 @@ class DecodeService:
         verify_digests: bool,
         lanes: int = LANES,
         heartbeat_s: float = protocol.HEARTBEAT_S,
+        faults: HandoffFaults | None = None,
     ) -> None:
         self.local = local
+        self.faults = faults  # a test's fault injector; None in production
         self.timeout_s = timeout_s
         self.verify_digests = verify_digests
         self.heartbeat_s = heartbeat_s
@@ -184,22 +187,22 @@ class DecodeService:
                     pieces.append((peer, self._plan(job, peer.view, source, result, table)))
                 mark("handshake")
                 handoff.advance(HandoffState.WAITING_FOR_INPUT)
-                stall(job, "stall_before_claim")
+                self._fault(job, "before_claim")
                 claims = [self._claim(peer, plan, job) for peer, plan in pieces]
                 mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
                 self._pull(pieces, result, job)
-                if job.test_fault == "corrupt":
-                    flip_byte(*moved_byte(next(plan for _, plan in pieces if plan.num_runs)), self.local.memory)
+                if self.faults is not None:
+                    self.faults.landed(job.request_id, *moved_byte(next(plan for _, plan in pieces if plan.num_runs)))
                 for (peer, plan), claim in zip(pieces, claims, strict=True):
                     if claim.digests is not None:
                         self._verify(peer, plan, claim.digests, job.lease_id)
-                stall(job, "stall_before_release")
+                self._fault(job, "before_release")
                 mark("pull")
             if job.stream_id and not job.read:  # nothing to read: prefill drops the transfer and its lease
                 self._abort(remote, group, job.lease_id, "decode needs none of its bytes", connect=True)
             else:
-                self._release(remote, group, readers, lease_id, job.test_fault)
+                self._release(remote, group, readers, lease_id, job.request_id)
             mark("release")
             if job.read:
                 handoff.advance(HandoffState.SUCCESS)
@@ -393,11 +396,8 @@ class DecodeService:
                 for entries in (layers[0] if layers else [], [e for rest in layers[1:] for e in rest]):
                     if not entries:
                         continue  # this rank holds none of the tokens that source has of these layers
-                    if len(posted) == 1:
-                        stall(job, "stall_mid")
+                    self._fault(job, "mid_transfer" if posted else "posting")
                     posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
-                    if len(posted) == 1 and job.test_fault.startswith("transport_"):
-                        posted[0].test_fault = job.test_fault.removeprefix("transport_")
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
         self._count(result, posted, pieces)
@@ -427,21 +427,26 @@ class DecodeService:
         check_landed(plan, digests, page_digests_of, self.local.memory)
 
     def _release(
-        self, remote: RemotePrefill, group: tuple[int, ...], readers: tuple[int, ...], request_id: str, fault: str = ""
+        self, remote: RemotePrefill, group: tuple[int, ...], readers: tuple[int, ...], lease_id: str, request_id: str
     ) -> None:
         """Confirm to every prefill rank holding this request; every source must answer ``Released`` (its pages
         were held until our read finished), the others only free their copy."""
-        done = protocol.Done(v=PROTOCOL_VERSION, request_id=request_id)
+        done = protocol.Done(v=PROTOCOL_VERSION, request_id=lease_id)
+        sends = 1 if self.faults is None else self.faults.confirmations(request_id)
         for rank in group:
             try:
                 peer = self._links.get(remote, rank)
-                self._links.ask(peer, done, request_id, (protocol.Released,), send=fault != "lose_release")
-                if fault == "duplicate_release":
+                self._links.ask(peer, done, lease_id, (protocol.Released,), send=sends > 0)
+                for _ in range(sends - 1):
                     peer.client.send(done)
             except GlmPdError:
                 if rank in readers:
                     raise
-                logger.warning("glm-pd decode: prefill rank %d did not confirm release of %s", rank, request_id)
+                logger.warning("glm-pd decode: prefill rank %d did not confirm release of %s", rank, lease_id)
+
+    def _fault(self, job: LoadJob, point: FaultPoint) -> None:
+        if self.faults is not None:
+            self.faults.at(job.request_id, point)
 
     def _abort(
         self, remote: RemotePrefill, group: tuple[int, ...], request_id: str, reason: str, *, connect: bool = False
