@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.request import RequestStatus
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.handoff.prefill.lease import renew_interval
+from glm_pd_common.handoff.wire.protocol import renew_interval
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.params import KvTransferParams, StreamParams, context_parallel, decode_params, transfer_id
 

@@ -3,7 +3,8 @@ import pytest
 
 from glm_pd_common.errors import ConfigError, LeaseExpired
 from glm_pd_common.handoff.decode.states import Handoff, HandoffState
-from glm_pd_common.handoff.prefill.lease import RENEWALS_PER_LEASE, LeaseTable, renew_interval
+from glm_pd_common.handoff.prefill.lease import LeaseTable
+from glm_pd_common.handoff.wire.protocol import RENEWALS_PER_LEASE, renew_interval
 
 
 class Clock:

@@ -8,6 +8,8 @@ failed event ends the transfer (what the step wrote cannot be trusted) without h
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from glm_pd_common.handoff.prefill.streams import Advance, StreamCall, StreamTable
@@ -33,7 +35,7 @@ class Gate:
 
 
 def _opened(*transfer_ids: str) -> StreamTable:
-    table = StreamTable(timeout_s=60)
+    table = StreamTable(timeout_s=60, clock=time.monotonic)
     for tid in transfer_ids:
         table.take(StreamCall(tid, num_tokens=1000))
         table.subscribe(SUB, protocol.Subscribe(v=protocol.PROTOCOL_VERSION, request_id=tid, num_tokens=1000))

@@ -8,7 +8,8 @@ The fault pair (tests/support/vllm_faults.py: a small decode KV cache, short lea
 pair's prefill (30 s lease) is a second prefill where one is frozen or killed. Frozen means SIGSTOP on the server's
 process group: its side channel stops answering mid-load, as a stalled host's would. The fault injector the
 in-process matrices hand a decode service (tests/support/faults.py) cannot be reached in a server: neither
-``kv_connector_extra_config`` nor ``kv_transfer_params`` can name one. The waiting states are read from vLLM's own gauges (``/metrics``).
+``kv_connector_extra_config`` nor ``kv_transfer_params`` can name one. The waiting states are read from vLLM's own
+gauges (``/metrics``).
 
 Run once per `make test`, in the native pass of `make test-engine`: no case depends on the block size, and the
 shared-prefix case needs decode's prefix caching, which vLLM turns off for MLA on a CPU without AMX.

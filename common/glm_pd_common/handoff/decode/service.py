@@ -24,7 +24,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -39,6 +38,7 @@ from glm_pd_common.handoff.decode.states import Handoff, HandoffState
 from glm_pd_common.handoff.faults import FaultPoint, HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.queues import drain
+from glm_pd_common.handoff.recent import RecentIds
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 
 
 LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
-_MAX_CANCELLED = 4096  # cancelled request ids kept for loads that have not looked yet
 
 
 class _Batches(list[Transfer]):
@@ -101,7 +100,7 @@ class DecodeService:
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._renewals = Renewals(lanes, self._links, local.shape.tp_rank, self._layouts)
         self._lock = threading.Lock()
-        self._cancelled: OrderedDict[str, None] = OrderedDict()  # under ``_lock``
+        self._cancelled = RecentIds()  # under ``_lock``: cancelled request ids, for loads that have not looked yet
         # a prefill engine (rank 0's address) keeps its lane; renewals go out before each wait for a load, so
         # one never waits behind a backlog of loads
         self._lanes: LanePool[LoadJob] = LanePool(
@@ -119,7 +118,7 @@ class DecodeService:
 
     def renew(self, remote: RemotePrefill, remote_request_ids: list[str]) -> None:
         """Keep prefill's leases of these requests (prefill's ids) while they wait for decode's blocks: call it
-        every ``lease.renew_interval(lease_s)``. Returns at once, never raises; the lane of ``remote`` sends
+        every ``protocol.renew_interval(lease_s)``. Returns at once, never raises; the lane of ``remote`` sends
         them (``Renewals.send``)."""
         if not remote_request_ids:
             return
@@ -131,9 +130,7 @@ class DecodeService:
         """Decode no longer wants this streamed load (its client went): it ends at its next message, failed as
         ``aborted``, and prefill is told. Blocks stay the engine's until the load's result is collected."""
         with self._lock:
-            self._cancelled[request_id] = None
-            while len(self._cancelled) > _MAX_CANCELLED:
-                self._cancelled.popitem(last=False)
+            self._cancelled.add(request_id)
 
     def results(self) -> list[LoadResult]:
         return drain(self._results)
@@ -217,7 +214,7 @@ class DecodeService:
             self._links.forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
         finally:
             with self._lock:
-                self._cancelled.pop(job.request_id, None)
+                self._cancelled.discard(job.request_id)
         result.states = handoff.states
         logger.info(
             "glm-pd decode: %s %s: %s; %s",

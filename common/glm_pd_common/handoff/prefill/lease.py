@@ -18,16 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from glm_pd_common.errors import ConfigError, LeaseExpired
-
-RENEWALS_PER_LEASE = 6  # as vLLM's NIXL heartbeats: five renewals in a row may be lost before a lease runs out
-
-
-def renew_interval(lease_s: float) -> float:
-    """How often decode renews the lease of a request still waiting for blocks (``lease_s`` is prefill's)."""
-    if not lease_s > 0:
-        raise ConfigError(f"lease_s must be positive, got {lease_s!r}")
-    return lease_s / RENEWALS_PER_LEASE
+from glm_pd_common.errors import LeaseExpired
 
 
 @dataclass
@@ -41,7 +32,8 @@ class Lease:
 
 
 class LeaseTable:
-    """Leases of one prefill instance. ``clock`` is injectable so expiry is testable without sleeping."""
+    """Leases of one prefill instance, timed by ``clock`` (the service's: it stands still while the service thread
+    is away, so that time never counts against a lease; tests inject one to test expiry without sleeping)."""
 
     def __init__(self, ttl_s: float, transfer_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
@@ -85,12 +77,6 @@ class LeaseTable:
             return False
         lease.expires_at = max(lease.expires_at, self._clock() + self.ttl_s)
         return True
-
-    def hold_over(self, seconds: float) -> None:
-        """Prefill could not answer for ``seconds`` (its thread was held up): that time is not decode's, so
-        every lease runs that much longer. The pages are still held, so nothing unsafe is served."""
-        for lease in self._leases.values():
-            lease.expires_at += seconds
 
     def release(self, request_id: str) -> np.ndarray | None:
         """A decode rank confirms its read; raises ``LeaseExpired`` if the pages were not held to now.

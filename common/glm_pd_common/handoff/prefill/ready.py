@@ -3,7 +3,7 @@ grants still waiting for theirs."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,8 +33,9 @@ class UnreadyGrants:
     Polled once per service turn, never blocked on; a grant whose event has not completed within ``ttl_s`` ends
     (a hung GPU must not hold pages forever), and so does one whose event fails (the pages cannot be trusted)."""
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         self.ttl_s = ttl_s
+        self._clock = clock
         self._grants: dict[str, _Unready] = {}
 
     def __contains__(self, request_id: object) -> bool:
@@ -44,18 +45,14 @@ class UnreadyGrants:
         return len(self._grants)
 
     def add(self, request_id: str, pages: np.ndarray, ready: ReadyEvent) -> None:
-        self._grants[request_id] = _Unready(pages, ready, time.monotonic() + self.ttl_s)
+        self._grants[request_id] = _Unready(pages, ready, self._clock() + self.ttl_s)
 
     def pop(self, request_id: str) -> bool:
         return self._grants.pop(request_id, None) is not None
 
-    def hold_over(self, seconds: float) -> None:
-        for grant in self._grants.values():
-            grant.deadline += seconds
-
     def poll(self) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str, str]]]:
         """(request id, pages) of the grants now ready, and (request id, outcome, why) of those that ended."""
-        now = time.monotonic()
+        now = self._clock()
         ready, ended = [], []
         for request_id, grant in list(self._grants.items()):
             try:

@@ -11,9 +11,10 @@ waits beside the grant, and the service thread polls the event once per loop tur
 than blocking on it, so other requests are served meanwhile and every piece of state stays on this one
 thread. The lease clock starts when the event completes, so a slow GPU never uses up decode's time; a grant
 whose event has not completed within a lease ends as expired (a hung GPU must not hold pages forever).
-Leases measure decode's time: when this thread itself was away (held up for longer than ``_AWAY_S``, between two
-waits or inside one, as when the process is stopped), every lease, pending claim and decode's silence is held over
-by as long, and what queued meanwhile is answered before leases expire.
+Leases measure decode's time: every deadline here reads the service clock (``clock``), which stands still while this
+thread is away (held up between two waits or inside one, as when the process is stopped), so every lease, pending
+claim, unready grant, waiting subscription and decode's silence is held over by as long, and what queued meanwhile
+is answered before leases expire.
 Decode renews the leases of requests still waiting for its blocks (``Renew``); only unclaimed live leases
 are extended.
 A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
@@ -34,16 +35,17 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from glm_pd_common.errors import GlmPdError, LeaseExpired, PlanError, ProtocolError
+from glm_pd_common.handoff.prefill.clock import ServiceClock
 from glm_pd_common.handoff.prefill.lease import LeaseTable
 from glm_pd_common.handoff.prefill.ready import ReadyEvent, UnreadyGrants
 from glm_pd_common.handoff.prefill.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.handoff.queues import drain
+from glm_pd_common.handoff.recent import RecentIds
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView, accept_hello
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, FailureCode
@@ -57,7 +59,6 @@ from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan
 logger = logging.getLogger(__name__)
 
 _QUEUED_PER_TURN = 256  # messages answered before expiry each turn; more wait a turn (grants are not starved)
-_AWAY_S = 0.5  # this long between two looks at the socket means the thread was held up (a turn takes ms)
 
 
 @dataclass(frozen=True)
@@ -98,23 +99,23 @@ class PrefillService:
             peer_idle_s = max(lease_s + timeout_s, 3 * protocol.HEARTBEAT_S)
         self.peer_idle_s = peer_idle_s
         self._next_idle_check = 0.0
-        self._back_by = time.monotonic()  # when this thread should next be at the socket (a wait's end)
+        self._clock = ServiceClock()
         self.server = SideChannelServer(host, port)
-        self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s)
+        self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)
         # (lease id, pages, ready event, (transfer id, tokens) of a streamed request)
         self._grants: queue.SimpleQueue[tuple[str, np.ndarray, ReadyEvent | None, tuple[str, int] | None]] = (
             queue.SimpleQueue()
         )
         self._stream_calls: queue.SimpleQueue[StreamCall | Advance] = queue.SimpleQueue()
-        self._streams = StreamTable(timeout_s)
+        self._streams = StreamTable(timeout_s, self._clock.now)
         self._lease_stream: dict[str, tuple[str, int]] = {}  # lease id -> (transfer id, tokens), until it ends
-        self._unready = UnreadyGrants(lease_s)
+        self._unready = UnreadyGrants(lease_s, self._clock.now)
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()
         self._decodes: dict[bytes, _Decode] = {}
         # claims (and a release-only decode's confirmation) that came before the grant, with their deadlines
         self._early_claims: dict[tuple[str, bytes], tuple[protocol.TransferRequest | protocol.Done, float]] = {}
         self._plans: dict[tuple[bytes, str], TransferPlan] = {}
-        self._gone: OrderedDict[str, str] = OrderedDict()  # recently ended leases, so late claims fail fast
+        self._gone = RecentIds()  # recently ended leases and how, so late claims fail fast
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{local.engine_id}", daemon=True)
         self._thread.start()
@@ -202,7 +203,7 @@ class PrefillService:
                 break
         for lease in self._leases.expire():
             self._end(Finished(lease.request_id, "expired", "lease expired before decode confirmed"))
-        now = time.monotonic()
+        now = self._clock.now()
         for (request_id, ident), (_, deadline) in list(self._early_claims.items()):
             if deadline < now and request_id not in self._unready:  # an unready grant's claims wait for it
                 del self._early_claims[request_id, ident]
@@ -215,8 +216,7 @@ class PrefillService:
 
     def _serve(self, *, timeout_s: float) -> bool:
         """Answer one side-channel message, waiting at most ``timeout_s``; False when none came."""
-        self._hold_over_absence()
-        self._back_by = time.monotonic() + timeout_s  # the wait is not time away; running past its end is
+        self._clock.checkpoint(then_wait_s=timeout_s)  # the wait is not time away; running past its end is
         try:
             ident, msg = self.server.recv(timeout_s=timeout_s)
         except SideChannelTimeout:
@@ -225,29 +225,11 @@ class PrefillService:
             logger.warning("glm-pd prefill: refused a side-channel message: %s", exc)
             return True
         finally:
-            self._hold_over_absence()
+            self._clock.checkpoint()
         if ident in self._decodes:
-            self._decodes[ident].last_seen = time.monotonic()
+            self._decodes[ident].last_seen = self._clock.now()
         self._dispatch(ident, msg)
         return True
-
-    def _hold_over_absence(self) -> None:
-        """If this thread was away from the socket (a long digest, a GC pause, a busy host, a stopped process),
-        decode's claims and confirmations sat unanswered meanwhile: that time does not count against their
-        leases, their early claims, grants still waiting for the GPU, subscriptions waiting for the engine, or
-        decode's silence (its heartbeats may still be on their way into the socket)."""
-        now = time.monotonic()
-        away, self._back_by = now - self._back_by, now
-        if away < _AWAY_S:
-            return
-        self._leases.hold_over(away)
-        self._streams.hold_over(away)
-        for decode in self._decodes.values():
-            decode.last_seen += away
-        for key, (msg, deadline) in self._early_claims.items():
-            self._early_claims[key] = (msg, deadline + away)
-        self._unready.hold_over(away)
-        logger.warning("glm-pd prefill: the service thread was away %.2f s; leases held over by as much", away)
 
     def _dispatch(self, ident: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Query):
@@ -295,7 +277,7 @@ class PrefillService:
             logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
             self._fail(ident, "", str(exc), "refused_peer")
             return
-        self._decodes[ident] = _Decode(ident, peer, agent, time.monotonic())
+        self._decodes[ident] = _Decode(ident, peer, agent, self._clock.now())
         self.server.send(ident, self.local.hello(self.local.transport.metadata()))
         logger.info("glm-pd prefill: decode %s accepted in %.1f ms", msg.engine_id, (time.monotonic() - t0) * 1e3)
 
@@ -306,7 +288,7 @@ class PrefillService:
             self._unready.pop(request_id)
             self._end(Finished(request_id, "aborted", "a second request arrived under the same id"))
             return
-        self._gone.pop(request_id, None)  # an id used again after its earlier lease ended
+        self._gone.discard(request_id)  # an id used again after its earlier lease ended
         if ready is None:
             self._hold(request_id, pages)
         else:
@@ -365,15 +347,15 @@ class PrefillService:
                 logger.debug("glm-pd prefill: renewal ignored: %s", exc)
 
     def _on_claim(self, ident: bytes, msg: protocol.TransferRequest) -> None:
-        if msg.request_id in self._gone:
-            ended = self._gone[msg.request_id]
+        ended = self._gone.get(msg.request_id)
+        if ended is not None:
             code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
             self._fail(ident, msg.request_id, f"prefill's lease on this request already ended: {ended}", code)
             return
         if msg.request_id not in self._leases:
             # decode can ask before the engine hands the finished request over (or before the GPU finished
             # writing its pages): hold the claim a while
-            self._early_claims.setdefault((msg.request_id, ident), (msg, time.monotonic() + self.timeout_s))
+            self._early_claims.setdefault((msg.request_id, ident), (msg, self._clock.now() + self.timeout_s))
             return
         decode = self._decodes[ident]
         try:
@@ -420,7 +402,7 @@ class PrefillService:
         if msg.request_id not in self._gone and msg.request_id not in self._leases:
             # a decode that needs no bytes (its whole prompt hit, or vLLM skipped the read) confirms at once,
             # possibly before the engine hands the finished request over: hold it as an early claim
-            self._early_claims.setdefault((msg.request_id, ident), (msg, time.monotonic() + self.timeout_s))
+            self._early_claims.setdefault((msg.request_id, ident), (msg, self._clock.now() + self.timeout_s))
             return
         # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
         self._leases.expect(msg.request_id, self._releases_from(self._decodes[ident]))
@@ -489,9 +471,7 @@ class PrefillService:
         self._finished.put(done)
         if self._lease_stream.pop(done.request_id, None) is not None:
             self._streams.lease_ended(done.request_id)
-        self._gone[done.request_id] = done.outcome
-        while len(self._gone) > 4096:
-            self._gone.popitem(last=False)
+        self._gone.add(done.request_id, done.outcome)
         self._drop_plans(done.request_id)
 
     def _drop_plans(self, request_id: str) -> None:

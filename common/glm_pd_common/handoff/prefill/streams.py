@@ -11,17 +11,16 @@ touches a socket or blocks: the service thread owns this table, polls the events
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict, deque
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from glm_pd_common.handoff.prefill.ready import ReadyEvent
+from glm_pd_common.handoff.recent import RecentIds
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
-
-_MAX_ENDED = 4096  # ended transfer ids remembered, so a late subscriber or a late grant is answered at once
 
 
 @dataclass(frozen=True)
@@ -58,12 +57,14 @@ Outgoing = list[tuple[bytes, protocol.Message]]
 
 
 class StreamTable:
-    def __init__(self, timeout_s: float, keepalive_s: float = protocol.HEARTBEAT_S) -> None:
+    def __init__(self, timeout_s: float, clock: Callable[[], float], keepalive_s: float = protocol.HEARTBEAT_S) -> None:
         self.timeout_s = timeout_s
         self.keepalive_s = keepalive_s
+        self._clock = clock  # the service's: a subscription waiting for the engine waits in its time
         self._streams: dict[str, _Stream] = {}
         self._leases: dict[str, str] = {}  # lease id -> transfer id
-        self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> why it ended
+        # ended transfer ids and why, so a late subscriber or a late grant is answered at once
+        self._ended = RecentIds()
         self._advancing: deque[Advance] = deque()  # in step order: a step's progress waits for its event
 
     def __len__(self) -> int:
@@ -130,10 +131,10 @@ class StreamTable:
 
     def subscribe(self, ident: bytes, msg: protocol.Subscribe) -> Outgoing:
         if msg.request_id in self._ended:
-            return [(ident, _failed(msg.request_id, f"the transfer already ended: {self._ended[msg.request_id]}"))]
+            return [(ident, _failed(msg.request_id, f"the transfer already ended: {self._ended.get(msg.request_id)}"))]
         stream = self._streams.get(msg.request_id)
         if stream is None:  # decode's leg beat prefill's: wait for the engine a while
-            stream = self._streams[msg.request_id] = _Stream(deadline=time.monotonic() + self.timeout_s)
+            stream = self._streams[msg.request_id] = _Stream(deadline=self._clock() + self.timeout_s)
         stream.subscribers[ident] = 0
         return self._send(msg.request_id, stream, only=ident)
 
@@ -154,11 +155,6 @@ class StreamTable:
         if transfer_id is not None:
             self._streams.pop(transfer_id, None)
             self._remember(transfer_id, "its lease ended")
-
-    def hold_over(self, seconds: float) -> None:
-        """Prefill's thread was away this long: subscriptions waiting for the engine wait as much longer."""
-        for stream in self._streams.values():
-            stream.deadline += seconds
 
     def drop_subscriber(self, ident: bytes) -> None:
         for stream in self._streams.values():
@@ -191,13 +187,11 @@ class StreamTable:
             )
             stream.subscribers[ident] = int(stream.pages.size)
             out.append((ident, msg))
-        stream.last_sent = time.monotonic()
+        stream.last_sent = self._clock()
         return out
 
     def _remember(self, transfer_id: str, why: str) -> None:
-        self._ended[transfer_id] = why
-        while len(self._ended) > _MAX_ENDED:
-            self._ended.popitem(last=False)
+        self._ended.add(transfer_id, why)
 
 
 def _failed(transfer_id: str, why: str) -> protocol.Failed:

@@ -28,13 +28,21 @@ from typing import Annotated, Literal, Union, get_args
 
 import msgspec
 
-from glm_pd_common.errors import ProtocolError
+from glm_pd_common.errors import ConfigError, ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.pages import INT64_MAX
 
 PROTOCOL_VERSION = 5  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
 HEARTBEAT_S = 5.0  # an idle decode lane says it is alive at least this often (a wire contract, as the messages)
+RENEWALS_PER_LEASE = 6  # as vLLM's NIXL heartbeats: five renewals in a row may be lost before a lease runs out
+
+
+def renew_interval(lease_s: float) -> float:
+    """How often decode renews the lease of a request still waiting for blocks (``lease_s`` is prefill's)."""
+    if not lease_s > 0:
+        raise ConfigError(f"lease_s must be positive, got {lease_s!r}")
+    return lease_s / RENEWALS_PER_LEASE
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
 # Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
 PageId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
