@@ -41,17 +41,16 @@ import numpy as np
 
 from glm_pd_common.errors import GlmPdError, LeaseExpired, PlanError, ProtocolError
 from glm_pd_common.handoff.prefill.clock import ServiceClock
-from glm_pd_common.handoff.prefill.lease import LeaseTable
-from glm_pd_common.handoff.prefill.ready import ReadyEvent, UnreadyGrants
+from glm_pd_common.handoff.prefill.lease import Lease, LeaseState, LeaseTable
+from glm_pd_common.handoff.prefill.ready import ReadyEvent
 from glm_pd_common.handoff.prefill.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.handoff.queues import drain
-from glm_pd_common.handoff.recent import RecentIds
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView, accept_hello
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.wire.sidechannel import SideChannelServer, SideChannelTimeout
 from glm_pd_common.layout.pages import suffix_pages
-from glm_pd_common.layout.plan import TransferPlan, build_plan
+from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.layout.shards import TokenShard, token_shard
 from glm_pd_common.layout.tp import SideLayout, Source, expected_releases, source_for
 from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan_digests
@@ -68,6 +67,16 @@ class Finished:
     request_id: str
     outcome: str  # released | aborted | expired
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class _Grant:
+    """The engine's grant, on its way to the service thread."""
+
+    lease_id: str
+    pages: np.ndarray
+    ready: ReadyEvent | None
+    stream: tuple[str, int] | None  # a streamed request's (transfer id, prompt tokens)
 
 
 @dataclass
@@ -101,21 +110,11 @@ class PrefillService:
         self._next_idle_check = 0.0
         self._clock = ServiceClock()
         self.server = SideChannelServer(host, port)
-        self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)
-        # (lease id, pages, ready event, (transfer id, tokens) of a streamed request)
-        self._grants: queue.SimpleQueue[tuple[str, np.ndarray, ReadyEvent | None, tuple[str, int] | None]] = (
-            queue.SimpleQueue()
-        )
-        self._stream_calls: queue.SimpleQueue[StreamCall | Advance] = queue.SimpleQueue()
-        self._streams = StreamTable(timeout_s, self._clock.now)
-        self._lease_stream: dict[str, tuple[str, int]] = {}  # lease id -> (transfer id, tokens), until it ends
-        self._unready = UnreadyGrants(lease_s, self._clock.now)
-        self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()
-        self._decodes: dict[bytes, _Decode] = {}
-        # claims (and a release-only decode's confirmation) that came before the grant, with their deadlines
-        self._early_claims: dict[tuple[str, bytes], tuple[protocol.TransferRequest | protocol.Done, float]] = {}
-        self._plans: dict[tuple[bytes, str], TransferPlan] = {}
-        self._gone = RecentIds()  # recently ended leases and how, so late claims fail fast
+        self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)  # one per lease
+        self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
+        self._decodes: dict[bytes, _Decode] = {}  # decode peers by side-channel identity
+        self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance] = queue.SimpleQueue()  # engine calls, in order
+        self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()  # what the engine may free
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{local.engine_id}", daemon=True)
         self._thread.start()
@@ -128,12 +127,12 @@ class PrefillService:
     def grant(self, request_id: str, pages: np.ndarray, ready: ReadyEvent | None = None) -> None:
         """Hold a finished request's full page table for decode. Its lease starts now, or with ``ready``
         once that event completes: no claim is answered before (the GPU may still be writing the pages)."""
-        self._grants.put((request_id, np.asarray(pages, dtype=np.int64), ready, None))
+        self._inbox.put(_Grant(request_id, np.asarray(pages, dtype=np.int64), ready, None))
         self.server.wake()
 
     def open_stream(self, transfer_id: str, num_tokens: int) -> None:
         """A request carrying ``transfer_id`` arrived: decode ranks that subscribe wait for it while it runs."""
-        self._stream_calls.put(StreamCall(transfer_id, num_tokens=num_tokens))
+        self._inbox.put(StreamCall(transfer_id, num_tokens=num_tokens))
         self.server.wake()
 
     def advance_stream(
@@ -141,19 +140,19 @@ class PrefillService:
     ) -> None:
         """A step wrote the transfer's first ``ready_tokens`` tokens, into its page table extended by
         ``new_pages``; announced to subscribers once ``ready`` completes."""
-        self._stream_calls.put(Advance(transfer_id, np.asarray(new_pages, dtype=np.int64), ready_tokens, ready))
+        self._inbox.put(Advance(transfer_id, np.asarray(new_pages, dtype=np.int64), ready_tokens, ready))
         self.server.wake()
 
     def end_stream(self, transfer_id: str, why: str) -> None:
         """The request will not finish as streamed (aborted, or preempted: its pages were freed)."""
-        self._stream_calls.put(StreamCall(transfer_id, why=why))
+        self._inbox.put(StreamCall(transfer_id, why=why))
         self.server.wake()
 
     def grant_stream(
         self, lease_id: str, transfer_id: str, pages: np.ndarray, num_tokens: int, ready: ReadyEvent | None = None
     ) -> None:
         """``grant`` for a streamed request of ``num_tokens``: subscribers are told the lease once it is held."""
-        self._grants.put((lease_id, np.asarray(pages, dtype=np.int64), ready, (transfer_id, num_tokens)))
+        self._inbox.put(_Grant(lease_id, np.asarray(pages, dtype=np.int64), ready, (transfer_id, num_tokens)))
         self.server.wake()
 
     def finished(self) -> list[Finished]:
@@ -165,10 +164,7 @@ class PrefillService:
         decode ranks still connected, ``transport_peers`` equals ``decode_peers`` (one transport agent per
         decode peer). The ids of recently ended leases are kept apart, bounded (so a late claim fails fast)."""
         return {
-            "leases": len(self._leases),
-            "unready": len(self._unready),
-            "early_claims": len(self._early_claims),
-            "plans": len(self._plans),
+            **self._leases.leftovers(),
             "streams": len(self._streams),
             "decode_peers": len(self._decodes),
             "transport_peers": len(self.local.transport.remote_peers()),
@@ -189,12 +185,11 @@ class PrefillService:
                 logger.exception("glm-pd prefill service step failed")
 
     def _step(self) -> None:
-        for call in drain(self._stream_calls):
-            self._send_all(self._streams.take(call))
-        for request_id, pages, ready, stream in drain(self._grants):
-            if stream is not None:
-                self._lease_stream[request_id] = stream
-            self._on_grant(request_id, pages, ready)
+        for call in drain(self._inbox):
+            if isinstance(call, _Grant):
+                self._on_grant(call)
+            else:
+                self._send_all(self._streams.take(call))
         self._poll_unready()
         self._send_all(self._streams.announce_ready())
         # What queued up while this thread was away is answered before leases expire.
@@ -202,12 +197,10 @@ class PrefillService:
             if not self._serve(timeout_s=0.0):
                 break
         for lease in self._leases.expire():
-            self._end(Finished(lease.request_id, "expired", "lease expired before decode confirmed"))
+            self._ended(lease, "expired", "lease expired before decode confirmed")
+        for request_id, ident in self._leases.expire_waiting():  # an unready grant's claims wait for it
+            self._fail(ident, request_id, "prefill holds no lease for this request", "lease_expired")
         now = self._clock.now()
-        for (request_id, ident), (_, deadline) in list(self._early_claims.items()):
-            if deadline < now and request_id not in self._unready:  # an unready grant's claims wait for it
-                del self._early_claims[request_id, ident]
-                self._fail(ident, request_id, "prefill holds no lease for this request", "lease_expired")
         if now >= self._next_idle_check:
             self._forget_silent(now)
         self._send_all(self._streams.tick(now))
@@ -254,7 +247,7 @@ class PrefillService:
         elif isinstance(msg, protocol.Abort):
             self._on_abort(msg)
         elif isinstance(msg, protocol.DigestQuery):
-            plan = self._plans.get((ident, msg.request_id))
+            plan = self._leases.plan(msg.request_id, ident)
             known = len(plan.entries) if plan is not None else 0
             wanted = [i for i in msg.region_indices if 0 <= i < known][:MAX_PAGE_QUERIES]
             pages = {i: page_digests(plan, i, "src", self.local.memory) for i in wanted} if plan is not None else {}
@@ -281,51 +274,41 @@ class PrefillService:
         self.server.send(ident, self.local.hello(self.local.transport.metadata()))
         logger.info("glm-pd prefill: decode %s accepted in %.1f ms", msg.engine_id, (time.monotonic() - t0) * 1e3)
 
-    def _on_grant(self, request_id: str, pages: np.ndarray, ready: ReadyEvent | None) -> None:
-        if request_id in self._leases or request_id in self._unready:
+    def _on_grant(self, grant: _Grant) -> None:
+        lease = self._leases.get(grant.lease_id)
+        if lease is not None and lease.state is not LeaseState.AWAITED:
             # Two live requests under one id cannot both be served safely: neither is.
-            self._leases.drop(request_id)
-            self._unready.pop(request_id)
-            self._end(Finished(request_id, "aborted", "a second request arrived under the same id"))
+            self._end(grant.lease_id, "aborted", "a second request arrived under the same id", tell_waiting="aborted")
             return
-        self._gone.discard(request_id)  # an id used again after its earlier lease ended
-        if ready is None:
-            self._hold(request_id, pages)
-        else:
-            self._unready.add(request_id, pages, ready)
+        lease = self._leases.grant(grant.lease_id, grant.pages, ready=grant.ready, stream=grant.stream)
+        if lease.state is LeaseState.HELD:
+            self._held(lease)
 
     def _poll_unready(self) -> None:
         """Start the lease of every grant whose pages the GPU has finished writing; end the failed and hung ones."""
-        ready, ended = self._unready.poll()
-        for request_id, pages in ready:
-            self._hold(request_id, pages)
-        for request_id, outcome, why in ended:
+        ready, ended = self._leases.poll_ready()
+        for lease in ready:
+            self._leases.hold(lease)
+            self._held(lease)
+        for lease, outcome, why in ended:
             code: FailureCode = "aborted" if outcome == "aborted" else "lease_expired"
-            self._end_unready(Finished(request_id, outcome, why), code)
+            self._end(lease.request_id, outcome, why, tell_waiting=code)
 
-    def _hold(self, request_id: str, pages: np.ndarray) -> None:
-        """The pages are final: lease them (the clock starts now) and answer the claims that came first. A
-        streamed request's subscribers learn the lease now; one decode gave up on already ends here."""
-        stream = self._lease_stream.get(request_id)
-        live, out = (True, []) if stream is None else self._streams.finish(stream[0], request_id, pages, stream[1])
-        if not live:
-            gave_up = Finished(request_id, "aborted", f"decode gave up on streamed transfer {stream}")
-            self._end_unready(gave_up, "aborted")
-            return
-        self._leases.grant(request_id, pages, releases=1)
-        self._send_all(out)
-        for key in [k for k in self._early_claims if k[0] == request_id]:
-            early = self._early_claims.pop(key)[0]
+    def _held(self, lease: Lease) -> None:
+        """The pages are final and leased (the clock started): a streamed request's subscribers learn the lease now
+        (one decode gave up on ends here), and the claims that came first are answered."""
+        if lease.stream is not None:
+            live, out = self._streams.finish(lease.stream[0], lease.request_id, lease.pages, lease.stream[1])
+            if not live:
+                why = f"decode gave up on streamed transfer {lease.stream}"
+                self._end(lease.request_id, "aborted", why, tell_waiting="aborted")
+                return
+            self._send_all(out)
+        for ident, early in self._leases.take_waiting(lease):
             if isinstance(early, protocol.Done):
-                self._on_done(key[1], early)
+                self._on_done(ident, early)
             else:
-                self._on_claim(key[1], early)
-
-    def _end_unready(self, done: Finished, code: FailureCode) -> None:
-        self._end(done)
-        for key in [k for k in self._early_claims if k[0] == done.request_id]:
-            del self._early_claims[key]
-            self._fail(key[1], done.request_id, f"prefill's lease on this request ended: {done.detail}", code)
+                self._on_claim(ident, early)
 
     def _send_all(self, out: Outgoing) -> None:
         for ident, msg in out:
@@ -337,7 +320,8 @@ class PrefillService:
             logger.debug("glm-pd prefill: ignored a renewal of %d lease(s) from an unknown peer", len(msg.request_ids))
             return
         for request_id in [self._streams.lease_of(i) or i for i in msg.request_ids]:  # a transfer id: its lease
-            if request_id in self._unready:
+            lease = self._leases.get(request_id)
+            if lease is not None and lease.state is LeaseState.UNREADY:
                 logger.debug("glm-pd prefill: renewal of %s ignored: its pages are not ready yet", request_id)
                 continue
             try:
@@ -347,15 +331,15 @@ class PrefillService:
                 logger.debug("glm-pd prefill: renewal ignored: %s", exc)
 
     def _on_claim(self, ident: bytes, msg: protocol.TransferRequest) -> None:
-        ended = self._gone.get(msg.request_id)
+        ended = self._leases.ended.get(msg.request_id)
         if ended is not None:
             code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
             self._fail(ident, msg.request_id, f"prefill's lease on this request already ended: {ended}", code)
             return
-        if msg.request_id not in self._leases:
+        if self._leases.held(msg.request_id) is None:
             # decode can ask before the engine hands the finished request over (or before the GPU finished
-            # writing its pages): hold the claim a while
-            self._early_claims.setdefault((msg.request_id, ident), (msg, self._clock.now() + self.timeout_s))
+            # writing its pages): the claim waits a while
+            self._leases.wait(msg.request_id, ident, msg, self.timeout_s)
             return
         decode = self._decodes[ident]
         try:
@@ -392,59 +376,52 @@ class PrefillService:
             self._fail(ident, msg.request_id, str(exc), "digest")
             return
         if msg.verify:
-            self._plans[ident, msg.request_id] = plan
+            self._leases.keep_plan(msg.request_id, ident, plan)
         self.server.send(
             ident,
             protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id, digests=digests),
         )
 
     def _on_done(self, ident: bytes, msg: protocol.Done) -> None:
-        if msg.request_id not in self._gone and msg.request_id not in self._leases:
+        if msg.request_id not in self._leases.ended and self._leases.held(msg.request_id) is None:
             # a decode that needs no bytes (its whole prompt hit, or vLLM skipped the read) confirms at once,
-            # possibly before the engine hands the finished request over: hold it as an early claim
-            self._early_claims.setdefault((msg.request_id, ident), (msg, self._clock.now() + self.timeout_s))
+            # possibly before the engine hands the finished request over: it waits as a claim does
+            self._leases.wait(msg.request_id, ident, msg, self.timeout_s)
             return
         # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
         self._leases.expect(msg.request_id, self._releases_from(self._decodes[ident]))
         try:
-            pages = self._leases.release(msg.request_id)
+            released = self._leases.release(msg.request_id)
         except LeaseExpired as exc:
             self._fail(ident, msg.request_id, str(exc), "lease_expired")
             return
         self.server.send(ident, protocol.Released(v=PROTOCOL_VERSION, request_id=msg.request_id))
-        if pages is not None:
-            self._end(Finished(msg.request_id, "released"))
+        if released is not None:
+            self._ended(released, "released")
 
     def _on_abort(self, msg: protocol.Abort) -> None:
-        if self.streamed and msg.request_id not in self._leases and msg.request_id not in self._unready:
+        lease = self._leases.get(msg.request_id)
+        if self.streamed and (lease is None or lease.state is LeaseState.AWAITED):
             # a transfer id decode gave up on: its subscribers are told; a lease granted for it ends below, one
             # still to come ends when it is held
             lease_id = self._streams.lease_of(msg.request_id)
             self._send_all(self._streams.end(msg.request_id, f"decode aborted it: {msg.reason}"))
             if lease_id:
                 msg = protocol.Abort(v=msg.v, request_id=lease_id, reason=msg.reason)
-        held = self._leases.drop(msg.request_id) is not None
-        if self._unready.pop(msg.request_id) or held:
-            self._end(Finished(msg.request_id, "aborted", msg.reason))
-        for key in [k for k in self._early_claims if k[0] == msg.request_id]:
-            del self._early_claims[key]
-        self._drop_plans(msg.request_id)
+        self._end(msg.request_id, "aborted", msg.reason)  # claims that waited for it are dropped
 
     def _forget_silent(self, now: float) -> None:
         self._next_idle_check = now + min(1.0, self.peer_idle_s / 4)
-        reading = self._leases.claimants() | {ident for _, ident in self._early_claims}  # both await an answer
+        reading = self._leases.awaiting_answer()
         for d in [d for d in self._decodes.values() if now - d.last_seen > self.peer_idle_s]:
             if d.identity not in reading:
                 self._forget(d.identity, f"silent for {now - d.last_seen:.1f} s, holding no claim")
 
     def _forget(self, ident: bytes, why: str) -> None:
-        """Drop a decode peer and what was kept for it (its agent, plans, early claims); leases stay."""
+        """Drop a decode peer and what was kept for it (its agent, plans, waiting claims); leases stay."""
         decode = self._decodes.pop(ident, None)
         self._streams.drop_subscriber(ident)
-        for key in [k for k in self._early_claims if k[1] == ident]:
-            del self._early_claims[key]
-        for plan_key in [k for k in self._plans if k[0] == ident]:
-            del self._plans[plan_key]
+        self._leases.forget_peer(ident)
         if decode is not None:
             self.local.transport.remove_peer(decode.agent)
             logger.info("glm-pd prefill: forgot decode %s: %s", decode.peer.engine_id, why)
@@ -467,13 +444,22 @@ class PrefillService:
     def _fail(self, ident: bytes, request_id: str, reason: str, code: FailureCode) -> None:
         self.server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=reason, code=code))
 
-    def _end(self, done: Finished) -> None:
-        self._finished.put(done)
-        if self._lease_stream.pop(done.request_id, None) is not None:
-            self._streams.lease_ended(done.request_id)
-        self._gone.add(done.request_id, done.outcome)
-        self._drop_plans(done.request_id)
+    def _end(self, request_id: str, outcome: str, why: str, *, tell_waiting: FailureCode | None = None) -> None:
+        """End a lease whatever its state (an id never granted: only what waited for it goes). ``tell_waiting``:
+        the claims that waited for it are failed with that code, not dropped."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return
+        granted = lease.state is not LeaseState.AWAITED
+        self._leases.end(request_id, outcome)
+        if tell_waiting is not None:
+            for ident in lease.waiting:
+                self._fail(ident, request_id, f"prefill's lease on this request ended: {why}", tell_waiting)
+        if granted:
+            self._ended(lease, outcome, why)
 
-    def _drop_plans(self, request_id: str) -> None:
-        for key in [k for k in self._plans if k[1] == request_id]:
-            del self._plans[key]
+    def _ended(self, lease: Lease, outcome: str, why: str = "") -> None:
+        """An ended lease's pages may be freed: the engine is told, and so are its stream's subscribers."""
+        self._finished.put(Finished(lease.request_id, outcome, why))
+        if lease.stream is not None:
+            self._streams.lease_ended(lease.request_id)
