@@ -11,10 +11,12 @@ cd "$(dirname "$0")/.."
 wheels=${GLM_PD_WHEELS:-.whl}
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
-  # numpy and xxhash are in the GPU image already; NIXL, msgspec and pyzmq are not (versions as requirements/).
+  # numpy and xxhash are in the GPU image already; NIXL, msgspec, pyzmq and pytest are not (versions as requirements/).
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GLM_PD_GPU_PYTHON:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$wheels" nixl==1.5.1 nixl-cu13==1.5.1 msgspec==0.23.0 pyzmq==27.3.0
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GLM_PD_GPU_PYTHON:-3.12}" \
+    -d "$wheels" pytest==9.2.0 pluggy iniconfig packaging pygments
   du -sh "$wheels"
   exit 0
 fi
@@ -28,4 +30,10 @@ export PYTHONPATH="$site:$PWD:$PWD/common${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export UCX_PROTO_INFO=${UCX_PROTO_INFO:-y}  # UCX prints the protocol it picks (cuda_ipc, or a fallback)
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>/dev/null || true
+# The device digests and the fault injector's VRAM corruption first (tests/gpu/test_device_digests.py, ~10 s),
+# where CUDA, torch and pytest are there (pytest travels with the wheels); then the smoke, which names what is missing.
+if python3 -c "import msgspec, pytest, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" tests/gpu/test_device_digests.py \
+    || exit 1
+fi
 exec timeout 470 python3 -m tests.gpu.smoke "$@"

@@ -40,3 +40,30 @@ def test_staged_digest_of_vram_equals_the_bytes_digest() -> None:
         host = tensor.view(pages, region.page_stride)[torch.as_tensor(chosen, device=device)].cpu().numpy()
         want = xxhash.xxh3_64_intdigest(host[:, : region.page_bytes].tobytes())
         assert region_pages_digest(region, chosen, staged) == want
+
+
+def test_the_injected_corruption_lands_in_vram_and_the_staged_digest_sees_it() -> None:
+    """The fault injector's byte flip works on device memory (the fault matrices' corruption case on a GPU): one
+    byte of a VRAM page inverted changes that page's staged digest, and flipping it back restores it."""
+    from glm_pd_common.layout.geometry import ModelGeometry
+    from glm_pd_common.layout.spec import CacheSpec
+    from glm_pd_common.tools.hostmem import HostCaches
+    from glm_pd_common.transport.digests import region_pages_digest
+    from glm_pd_common.transport.memory import StagedMemory, cuda_copier
+    from tests.support.faults import flip
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
+    template = HostCaches(spec, page_tokens=64, num_pages=4).regions[-1]  # the MTP layer's indexer
+    tensor = torch.randint(0, 256, (4 * template.page_stride,), dtype=torch.uint8, device=device)
+    region = dataclasses.replace(template, base_addr=tensor.data_ptr(), mem_kind="VRAM", device_id=device.index)
+    staged = StagedMemory(cuda_copier(torch))
+    pages = np.array([2])
+    before = region_pages_digest(region, pages, staged)
+    offset = 2 * region.page_stride + 17
+    old = int(tensor[offset])
+    flip(region, offset)
+    assert int(tensor[offset]) == old ^ 0xFF
+    assert region_pages_digest(region, pages, staged) != before
+    flip(region, offset)
+    assert region_pages_digest(region, pages, staged) == before

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from glm_pd_common.handoff.decode import loads
+from tests.support import faults
 from tests.support.vllm_engine import Engine
 
 _out = threading.Lock()
@@ -37,10 +37,10 @@ def emit(obj: dict) -> None:
 
 
 class _HookEvents(logging.Handler):
-    """Turns the decode service's test-hook log lines into ``stalled`` events, so a driver can act mid-load."""
+    """Turns the fault injector's stall lines into ``stalled`` events, so a driver can act mid-load."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith("glm-pd test hook:"):
+        if record.getMessage().startswith("fault injector:"):
             rid, _seconds, where = record.args
             emit({"event": "stalled", "rid": rid, "where": where, "t": time.monotonic()})
 
@@ -176,7 +176,7 @@ class Serving:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger(loads.__name__).addHandler(_HookEvents())  # where the decode service's test hooks log
+    logging.getLogger(faults.__name__).addHandler(_HookEvents())  # where the fault injector says it stalls
     serving = Serving(json.loads(sys.argv[1]))
     commands: queue.SimpleQueue[dict | None] = queue.SimpleQueue()
 
