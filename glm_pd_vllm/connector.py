@@ -56,7 +56,7 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
         _log_through_vllm()
         from glm_pd_common.errors import ConfigError
         from glm_pd_vllm.config import GlmPdVllmConfig
-        from glm_pd_vllm.params import cache_spec
+        from glm_pd_vllm.model import cache_spec
 
         if self._kv_transfer_config.kv_role not in ("kv_producer", "kv_consumer"):
             # one rank would run both services on one transport agent, which is not thread-safe

@@ -9,93 +9,21 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import replace
 from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
-from vllm.config import VllmConfig
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.decode.loads import RemotePrefill
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, PageId
-from glm_pd_common.layout.cache_dtypes import row_format_for, vllm_indexer_scale_format
-from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import INT64_MAX, num_pages_for
 from glm_pd_common.layout.shards import Sharding
-from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import SUPPORTED_TP
-from glm_pd_vllm.caches import MAIN_CACHE
-from glm_pd_vllm.config import GlmPdVllmConfig
 
 MAX_BLOCKS = 1 << 22  # 4M blocks of 16 tokens: far past any context; more is hostile
 # the wire's int64 bound: ids past it would overflow
-_MAX_BLOCK_ID = cast(msgspec.inspect.IntType, msgspec.inspect.type_info(PageId)).le
+_MAX_BLOCK_ID = cast(int, cast(msgspec.inspect.IntType, msgspec.inspect.type_info(PageId)).le)
 _HOSTNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}(\.[A-Za-z0-9][A-Za-z0-9_-]{0,62})*\.?")
-
-
-def cache_spec(vllm_config: VllmConfig, config: GlmPdVllmConfig) -> CacheSpec:
-    """The core spec from vLLM's config: the main row for vLLM's cache dtype under the attention backend vLLM
-    chose (``cache_dtypes``), the indexer scale format vLLM writes on this device (a configured value must
-    agree with it). The worker checks the cache tensors against it when it registers them."""
-    hf = vllm_config.model_config.hf_config
-    geometry = ModelGeometry.from_config(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
-    if config.model_revision:
-        geometry = replace(geometry, revision=config.model_revision)
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    backend = attention_backend(vllm_config)
-    platform, capability = device_of(vllm_config)
-    scale_format = vllm_indexer_scale_format(platform, capability, config.indexer_scale_format)
-    where = f"CUDA SM{capability[0]}{capability[1]}" if capability else platform
-    origin = f"vLLM cache dtype {cache_dtype!r} under {backend or 'its default backend'} on {where}"
-    return CacheSpec.create(geometry, row_format_for("vllm", cache_dtype, backend), scale_format, origin=origin)
-
-
-def context_parallel(vllm_config: VllmConfig) -> Sharding:
-    """How this engine's ranks shard every request's caches: vLLM's decode context parallelism deals tokens
-    out to ``dcp`` consecutive TP ranks (``dcp_rank = tp_rank % dcp``), ``cp_kv_cache_interleave_size`` at a
-    time. Prefill context parallelism is refused: its ranks are world ranks outside TP (``pcp_rank·TP +
-    tp_rank``), which glm-pd's rank pairing and side-channel ports (TP rank r on base + r) do not know."""
-    parallel = vllm_config.parallel_config
-    pcp = parallel.prefill_context_parallel_size
-    if pcp != 1:
-        raise ConfigError(
-            f"GlmPdConnector does not support prefill_context_parallel_size {pcp} yet: its ranks are world ranks "
-            "beyond the TP group (pcp_rank * TP + tp_rank), which glm-pd neither pairs nor gives side-channel "
-            "ports; use decode_context_parallel_size (or 1)"
-        )
-    return Sharding(token_shards=parallel.decode_context_parallel_size, interleave=parallel.cp_kv_cache_interleave_size)
-
-
-def attention_backend(vllm_config: VllmConfig) -> str | None:
-    """The attention backend of the main MLA layers this process built (a worker builds them before its
-    connector), else the one selected with ``--attention-backend``; None when neither is known (vLLM's
-    engine-core process under a multiprocess executor builds no layers)."""
-    layers = vllm_config.compilation_config.static_forward_context
-    names = {
-        layer.attn_backend.get_name()
-        for name, layer in layers.items()
-        if MAIN_CACHE.match(name) and getattr(layer, "attn_backend", None) is not None
-    }
-    if len(names) > 1:
-        raise ConfigError(f"the main MLA layers run several attention backends {sorted(names)}; glm-pd needs one")
-    if names:
-        return names.pop()
-    selected = getattr(vllm_config.attention_config, "backend", None)
-    return None if selected is None else str(selected.name)
-
-
-def device_of(vllm_config: VllmConfig) -> tuple[str, tuple[int, int] | None]:
-    """The device kind the caches live on (``cuda`` for NVIDIA, ``rocm``, ``cpu``, ...) and the CUDA compute
-    capability. It asks vLLM's platform (NVML), as vLLM's own indexer-scale rule does, so the engine-core
-    process stays without a CUDA context."""
-    from vllm.platforms import current_platform
-
-    kind = str(vllm_config.device_config.device_type)
-    if kind == "cuda" and current_platform.is_rocm():
-        return "rocm", None
-    if kind != "cuda":
-        return kind, None
-    capability = current_platform.get_device_capability()
-    return "cuda", None if capability is None else (capability.major, capability.minor)
 
 
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -149,6 +77,12 @@ class KvTransferParams(msgspec.Struct, kw_only=True, frozen=True):
                 f"tokens in blocks of {self.remote_page_tokens}{shards} (need {need})"
             )
 
+    @property
+    def remote(self) -> RemotePrefill:
+        """The prefill these params name, as decode pairs with it, loads from it and renews its leases."""
+        sharding = Sharding(token_shards=self.remote_token_shards, interleave=self.remote_interleave)
+        return RemotePrefill(self.remote_engine_id, self.remote_host, self.remote_port, self.tp_size, sharding)
+
     def encode(self) -> dict[str, Any]:
         """The JSON object vLLM returns to the router (plain lists, ints, strings and bools)."""
         return msgspec.to_builtins(self)
@@ -175,8 +109,9 @@ class StreamParams(msgspec.Struct, kw_only=True, frozen=True):
         _check_host(self.remote_host)
 
     @property
-    def address(self) -> str:
-        return f"{self.remote_host}:{self.remote_port}"
+    def remote(self) -> RemotePrefill:
+        """Prefill's side channel only (its engine id is that address; rank 0 tells its TP size and sharding)."""
+        return RemotePrefill(f"{self.remote_host}:{self.remote_port}", self.remote_host, self.remote_port, 0)
 
     @classmethod
     def decode(cls, params: object) -> StreamParams:
@@ -216,12 +151,22 @@ def _convert(params: object, cls: type[_Params]) -> _Params:
             f"kv_transfer_params['glm_pd_protocol'] is {version}; this decode speaks {PROTOCOL_VERSION} "
             "(upgrade prefill and decode together)"
         )
+    for field in msgspec.structs.fields(cls):  # each key on its own first, so a refusal names the key it checked
+        if field.encode_name not in params:
+            if field.required:
+                raise ConfigError(f"kv_transfer_params[{field.encode_name!r}] is missing")
+            continue
+        value = params[field.encode_name]
+        try:
+            msgspec.convert(value, field.type)
+        except msgspec.ValidationError as exc:
+            raise _refusal(field.encode_name, value, exc) from None
     try:
         return msgspec.convert(params, cls)
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, ConfigError):  # raised by __post_init__, already names the key
             raise exc.__cause__ from None
-        raise _refusal(params, str(exc)) from None
+        raise ConfigError(f"kv_transfer_params: {exc}") from None
 
 
 def _check_host(host: str) -> None:
@@ -236,26 +181,15 @@ def _check_host(host: str) -> None:
             ) from None
 
 
-_AT = re.compile(r"(?P<what>.*) - at `\$\.(?P<key>\w+)(?:\[(?P<index>\d+)\])?`")
-_MISSING = re.compile(r"Object missing required field `(?P<key>\w+)`")
-
-
-def _refusal(params: dict[str, Any], message: str) -> ConfigError:
-    """msgspec's reason, restated with the key and the value that was sent."""
-    missing = _MISSING.fullmatch(message)
-    if missing:
-        return ConfigError(f"kv_transfer_params[{missing['key']!r}] is missing")
-    at = _AT.fullmatch(message)
-    if at is None:
-        return ConfigError(f"kv_transfer_params: {message}")
-    key = at["key"]
-    value: Any = params.get(key)  # msgspec named it, so it is there: a list when an index came with it
-    if at["index"] is not None and key == "remote_block_ids":
-        block = value[int(at["index"])]
+def _refusal(key: str, value: Any, exc: msgspec.ValidationError) -> ConfigError:
+    """msgspec's reason for one key's value, restated with the key and the value that was sent; a bad block id is
+    named by value (the list's length passed, so one of its ids is what failed)."""
+    if key == "remote_block_ids" and isinstance(value, list) and len(value) <= MAX_BLOCKS:
+        block = next(b for b in value if type(b) is not int or not 0 <= b <= _MAX_BLOCK_ID)
         if type(block) is int:
             return ConfigError(f"kv_transfer_params[{key!r}] holds block id {block}, outside 0..{_MAX_BLOCK_ID}")
         return ConfigError(f"kv_transfer_params[{key!r}] holds a non-integer block id {_shown(block)}")
-    return ConfigError(f"kv_transfer_params[{key!r}]: {at['what']}, got {_shown(value)}")
+    return ConfigError(f"kv_transfer_params[{key!r}]: {exc}, got {_shown(value)}")
 
 
 def _shown(value: object) -> str:

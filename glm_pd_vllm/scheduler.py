@@ -24,9 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.request import RequestStatus
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.decode.loads import RemotePrefill
 from glm_pd_common.handoff.wire.protocol import renew_interval
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import KvTransferParams, StreamParams, context_parallel, decode_params, transfer_id
+from glm_pd_vllm.model import context_parallel
+from glm_pd_vllm.params import KvTransferParams, StreamParams, decode_params, transfer_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,19 +52,14 @@ class LoadSpec:
     """One decode load, as the worker needs it (plain values: metadata crosses process boundaries)."""
 
     request_id: str  # a load with ``read`` is reported to vLLM when it ends; a release-only one never is
-    remote_request_id: str
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    remote_block_ids: list[int]
+    remote: RemotePrefill | None  # None: the params were refused (``error`` says why)
     local_block_ids: list[int]
     num_tokens: int
     prefix_tokens: int
     read: bool = True
     error: str = ""
-    token_shards: int = 1  # prefill's sharding (kv_transfer_params): decode picks its sources by it
-    interleave: int = 1
+    remote_request_id: str = ""  # prefill's id for the request (streamed: the transfer id)
+    remote_block_ids: list[int] = field(default_factory=list)  # streamed: none yet, prefill sends them as it runs
     stream_id: str = ""  # a streamed request's transfer id: prefill's shape is learnt from its rank 0
     queued_at: float = field(default_factory=time.monotonic)  # one clock for scheduler and workers (one host)
 
@@ -71,12 +68,7 @@ class LoadSpec:
 class Renewal:
     """Decode asks one prefill engine to keep the leases of requests still waiting in vLLM's queue."""
 
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    token_shards: int
-    interleave: int
+    remote: RemotePrefill
     remote_request_ids: list[str]
 
 
@@ -154,22 +146,11 @@ class GlmPdScheduler:
         if not self._waiting or now < self._next_renewal:
             return []
         self._next_renewal = now + self._renew_every
-        by_engine: dict[tuple[str, str, int, int, int, int], list[str]] = {}
-        for remote in self._waiting.values():
-            if isinstance(remote, StreamParams):  # prefill's shape is learnt from its rank 0 (tp_size 0)
-                key = (remote.address, remote.remote_host, remote.remote_port, 0, 1, 1)
-                by_engine.setdefault(key, []).append(remote.glm_pd_transfer_id)
-                continue
-            key = (
-                remote.remote_engine_id,
-                remote.remote_host,
-                remote.remote_port,
-                remote.tp_size,
-                remote.remote_token_shards,
-                remote.remote_interleave,
-            )
-            by_engine.setdefault(key, []).append(remote.remote_request_id)
-        return [Renewal(*key, ids) for key, ids in by_engine.items()]
+        by_engine: dict[RemotePrefill, list[str]] = {}
+        for params in self._waiting.values():
+            lease = params.glm_pd_transfer_id if isinstance(params, StreamParams) else params.remote_request_id
+            by_engine.setdefault(params.remote, []).append(lease)
+        return [Renewal(remote, ids) for remote, ids in by_engine.items()]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -210,26 +191,15 @@ class GlmPdScheduler:
         remote, prefix, error = self._pending.pop(request.request_id)
         if remote is None:  # bad params: a read fails at once (the failure policy applies), nothing to free
             if read:
-                self._meta.loads.append(
-                    LoadSpec(request.request_id, "", "", "", 0, 1, [], local_blocks, 0, 0, error=error)
-                )
+                self._meta.loads.append(LoadSpec(request.request_id, None, local_blocks, 0, 0, error=error))
             return
-        load = LoadSpec(request.request_id, "", "", remote.remote_host, remote.remote_port, 0, [], local_blocks,
-                        len(request.prompt_token_ids or []), prefix, read)  # fmt: skip
+        num_tokens = len(request.prompt_token_ids or [])
+        load = LoadSpec(request.request_id, remote.remote, local_blocks, num_tokens, prefix, read)
         if isinstance(remote, StreamParams):  # prefill's engine id, shape and blocks: from prefill, as it runs
             transfer = remote.glm_pd_transfer_id
-            load = replace(load, remote_request_id=transfer, engine_id=remote.address, stream_id=transfer)
+            load = replace(load, remote_request_id=transfer, stream_id=transfer)
         else:
-            load = replace(
-                load,
-                remote_request_id=remote.remote_request_id,
-                engine_id=remote.remote_engine_id,
-                tp_size=remote.tp_size,
-                remote_block_ids=remote.remote_block_ids,
-                num_tokens=remote.remote_num_tokens,
-                token_shards=remote.remote_token_shards,
-                interleave=remote.remote_interleave,
-            )
+            load = replace(load, remote_request_id=remote.remote_request_id, remote_block_ids=remote.remote_block_ids)
         self._meta.loads.append(load)
 
     # -- prefill --------------------------------------------------------------------------------

@@ -18,19 +18,18 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, RemotePrefill
+from glm_pd_common.handoff.decode.service import DecodeService, LoadJob
 from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape, check_shape
 from glm_pd_common.layout.pages import block_pages
-from glm_pd_common.layout.shards import Sharding
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig
 from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
 from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import context_parallel
+from glm_pd_vllm.model import context_parallel
 from glm_pd_vllm.scheduler import GlmPdMetadata, LoadSpec, engine_port
 from glm_pd_vllm.stats import GlmPdStats
 
@@ -174,11 +173,9 @@ class GlmPdWorker:
                     self.prefill.grant(lease_id, pages, ready=ready)
         for renewal in meta.renewals:
             if self.decode is not None:
-                sharding = Sharding(token_shards=renewal.token_shards, interleave=renewal.interleave)
-                remote = RemotePrefill(renewal.engine_id, renewal.host, renewal.port, renewal.tp_size, sharding)
-                self.decode.renew(remote, renewal.remote_request_ids)
+                self.decode.renew(renewal.remote, renewal.remote_request_ids)
         for load in meta.loads:
-            if load.error or self.decode is None:
+            if load.remote is None or self.decode is None:
                 self._failed_now.append((load, load.error or "this instance is not a kv_consumer"))
                 continue
             if load.read:  # vLLM parks only a request whose load it was told of; a release-only job stays ours
@@ -186,13 +183,7 @@ class GlmPdWorker:
             self.decode.submit(
                 LoadJob(
                     request_id=load.request_id,
-                    remote=RemotePrefill(
-                        load.engine_id,
-                        load.host,
-                        load.port,
-                        load.tp_size,
-                        Sharding(token_shards=load.token_shards, interleave=load.interleave),
-                    ),
+                    remote=load.remote,
                     remote_pages=np.asarray(load.remote_block_ids, dtype=np.int64),
                     local_pages=block_pages(load.local_block_ids, self.pages_per_block),
                     num_tokens=load.num_tokens,

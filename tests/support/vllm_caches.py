@@ -39,7 +39,7 @@ from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache, customize_at
 from glm_pd_common.layout.regions import Region
 from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import cache_spec
+from glm_pd_vllm.model import cache_spec
 
 try:  # vLLM 0.33 moved the planning functions out of kv_cache_utils
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups

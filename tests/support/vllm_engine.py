@@ -43,7 +43,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import cache_spec, context_parallel
+from glm_pd_vllm.model import cache_spec, context_parallel
 from tests.support.faults import FaultyTransport, Injector
 
 SAMPLED = 7  # the token the forward double samples

@@ -21,7 +21,7 @@ from glm_pd_common.layout.geometry import PRESETS, ModelGeometry
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import cache_spec
+from glm_pd_vllm.model import cache_spec
 
 FP8_DS_MLA, RAW_FP8, BF16, INDEXER_ROW = 656, 576, 1152, 132
 TINY = {**PRESETS["glm-5"], "num_hidden_layers": 2, "num_nextn_predict_layers": 0}  # layers 0 and 1, both full

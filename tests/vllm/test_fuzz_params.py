@@ -411,7 +411,9 @@ def test_hostile_params_become_a_failed_load_not_an_exception(scheduler, data, n
     if bad is None:  # nothing was made hostile: a normal load of exactly what prefill sent
         assert load.error == "" and load.num_tokens == num_tokens and load.prefix_tokens == prefix
         assert load.remote_block_ids == sent["remote_block_ids"] and load.local_block_ids == list(range(len(local)))
-        assert (load.engine_id, load.remote_request_id, load.host, load.port, load.tp_size) == (
+        assert load.remote is not None
+        remote = load.remote
+        assert (remote.engine_id, load.remote_request_id, remote.host, remote.base_port, remote.tp_size) == (
             sent["remote_engine_id"],
             sent["remote_request_id"],
             sent["remote_host"],

@@ -35,7 +35,7 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.layout.shards import Sharding
 from glm_pd_vllm.config import GlmPdVllmConfig
-from glm_pd_vllm.params import context_parallel
+from glm_pd_vllm.model import context_parallel
 from glm_pd_vllm.scheduler import GlmPdMetadata, GlmPdScheduler, LoadSpec
 from glm_pd_vllm.worker import GlmPdWorker
 from tests.support.ports import free_port_range
@@ -314,7 +314,7 @@ def test_a_failed_dcp_load_reports_only_the_blocks_past_the_hit(layouts) -> None
     so a hit of 256 tokens in 128-token DCP blocks keeps the first two blocks out of the report."""
     d = DECODES[2]  # DCP 2, blocks of 64
     worker = GlmPdWorker(_rank_config(layouts[d], 0, "kv_consumer"), GlmPdVllmConfig(), layouts[d].spec, "D")
-    load = LoadSpec("r", "r", "", "", 0, 1, [], [5, 6, 7, 8], TOKENS, 256, error="invalid kv_transfer_params: test")
+    load = LoadSpec("r", None, [5, 6, 7, 8], TOKENS, 256, error="invalid kv_transfer_params: test")
     worker.start_load_kv(GlmPdMetadata(loads=[load]))
     out = worker.transfer_results()
     assert out.failed_recving == {"r"} and worker.block_ids_with_load_errors() == {7, 8}
