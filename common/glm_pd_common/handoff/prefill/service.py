@@ -203,7 +203,7 @@ class PrefillService:
         now = self._clock.now()
         if now >= self._next_idle_check:
             self._forget_silent(now)
-        self._send_all(self._streams.tick(now))
+        self._send_all(self._streams.tick())
         self.local.transport.notifs()  # drives the transport's progress (UCX needs the passive side to poll)
         self._serve(timeout_s=0.002)
 

@@ -11,6 +11,7 @@ touches a socket or blocks: the service thread owns this table, polls the events
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ class _Stream:
     subscribers: dict[bytes, int] = field(default_factory=dict)  # identity -> pages sent to it
     lease_id: str = ""
     deadline: float = float("inf")  # subscribed before the engine announced it: wait this long
-    last_sent: float = 0.0
+    last_sent: float = 0.0  # real time: a keepalive answers decode's wait, which runs on real time
 
 
 Outgoing = list[tuple[bytes, protocol.Message]]
@@ -160,13 +161,15 @@ class StreamTable:
         for stream in self._streams.values():
             stream.subscribers.pop(ident, None)
 
-    def tick(self, now: float) -> Outgoing:
-        """Fail subscriptions the engine never announced in time; keep quiet subscribers' waits alive."""
+    def tick(self) -> Outgoing:
+        """Fail subscriptions the engine never announced in time (service time); keep quiet subscribers' waits
+        alive (real time: after time away the keepalive is due at once, as decode's wait kept running)."""
+        now, real = self._clock(), time.monotonic()
         out: Outgoing = []
         for transfer_id in [t for t, s in self._streams.items() if s.deadline < now]:
             out += self.end(transfer_id, "prefill has no request for this transfer id (it never arrived there)")
         for transfer_id, stream in self._streams.items():
-            if stream.subscribers and now - stream.last_sent >= self.keepalive_s:
+            if stream.subscribers and real - stream.last_sent >= self.keepalive_s:
                 out += self._send(transfer_id, stream)
         return out
 
@@ -187,7 +190,7 @@ class StreamTable:
             )
             stream.subscribers[ident] = int(stream.pages.size)
             out.append((ident, msg))
-        stream.last_sent = self._clock()
+        stream.last_sent = time.monotonic()
         return out
 
     def _remember(self, transfer_id: str, why: str) -> None:
