@@ -211,7 +211,7 @@ class PrefillTransfers:
         """The layers this rank writes to a decode rank SGLang paired it with: the core's pairing, which must
         pick this rank (SGLang's decode checked its side of the same pairing before it sent the room)."""
         shape = peer.view.shape
-        decode = SideLayout.of(shape.tp_size, shape.sharding, self.geometry)
+        decode = SideLayout.of_shape(shape, self.geometry)
         prefill = self.ranks.layout(self.geometry)
         rank = self.ranks.pairing_rank(self.attn_cp_rank, self.attn_tp_rank)
         source = None if rank is None else source_for(rank, shape.tp_rank, prefill, decode)

@@ -13,12 +13,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.shards import Sharding, TokenShard, overlaps, owned_layers, token_shard
 
 SUPPORTED_TP = (1, 2, 4, 8, 16)
+
+
+class RankShape(Protocol):
+    """What pairing needs of a side's shape (a peer's ``PeerShape``, a request's ``RemotePrefill``)."""
+
+    @property
+    def tp_size(self) -> int: ...
+
+    @property
+    def sharding(self) -> Sharding: ...
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,10 @@ class SideLayout:
     @classmethod
     def of(cls, tp_size: int, sharding: Sharding, geometry: ModelGeometry) -> SideLayout:
         return cls(tp_size, sharding, geometry.num_layers, geometry.num_mtp_layers)
+
+    @classmethod
+    def of_shape(cls, shape: RankShape, geometry: ModelGeometry) -> SideLayout:
+        return cls.of(shape.tp_size, shape.sharding, geometry)
 
     def layers(self, rank: int) -> tuple[int, ...]:
         """The cache layers ``rank`` holds."""

@@ -227,8 +227,8 @@ class DecodeService:
 
     def _layouts(self, remote: RemotePrefill) -> tuple[SideLayout, SideLayout]:
         """Both sides' ranks as the pairing sees them: prefill's from the request's params, ours from our shape."""
-        g, shape = self.local.spec.geometry, self.local.shape
-        return SideLayout.of(remote.tp_size, remote.sharding, g), SideLayout.of(shape.tp_size, shape.sharding, g)
+        g = self.local.spec.geometry
+        return SideLayout.of_shape(remote, g), SideLayout.of_shape(self.local.shape, g)
 
     def _plan(
         self,

@@ -427,8 +427,8 @@ class PrefillService:
             logger.info("glm-pd prefill: forgot decode %s: %s", decode.peer.engine_id, why)
 
     def _layouts(self, decode: _Decode) -> tuple[SideLayout, SideLayout]:
-        g, mine, theirs = self.local.spec.geometry, self.local.shape, decode.peer.shape
-        return SideLayout.of(mine.tp_size, mine.sharding, g), SideLayout.of(theirs.tp_size, theirs.sharding, g)
+        g = self.local.spec.geometry
+        return SideLayout.of_shape(self.local.shape, g), SideLayout.of_shape(decode.peer.shape, g)
 
     def _serves(self, decode: _Decode) -> tuple[Source, TokenShard]:
         """What this rank serves that decode rank (the same pairing decode computed), and decode's token shard."""
