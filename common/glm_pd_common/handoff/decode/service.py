@@ -385,7 +385,7 @@ class DecodeService:
         """Post every source's runs, then wait. Two batches per source, the first layer's and the rest: each batch
         costs a post and a completion to poll, and nothing on decode uses a layer before the whole load is in
         (79 per-layer batches reached 78 % of one batch's rate, ``benchmarks/posting_bench.py``); the first
-        batch stays apart so the ``stall_mid`` and ``transport_*`` test hooks act between two batches."""
+        batch stays apart, so a fault injected ``mid_transfer`` acts between two batches."""
         t0 = time.perf_counter()
         with self._posted() as posted:
             for peer, plan in pieces:
