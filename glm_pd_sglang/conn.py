@@ -295,7 +295,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         """Compare what landed with prefill's digests; returns the problem, or None when every region matches."""
         sent = self._digests.pop(room, None)
         if self.faults is not None and pages.size:
-            region = self.caches.regions[-1]  # the last indexer (or main) region: its last page landed last
+            region = self.caches.regions[-1]  # the room's last page of one region: bytes its digests compare
             self.faults.landed(str(room), region, int(pages[-1]) * region.page_stride)
         if not sent:
             return "glm-pd checksum verification is on, but prefill sent no digests (is it verifying too?)"

@@ -151,22 +151,28 @@ def _convert(params: object, cls: type[_Params]) -> _Params:
             f"kv_transfer_params['glm_pd_protocol'] is {version}; this decode speaks {PROTOCOL_VERSION} "
             "(upgrade prefill and decode together)"
         )
-    for field in msgspec.structs.fields(cls):  # each key on its own first, so a refusal names the key it checked
-        if field.encode_name not in params:
-            if field.required:
-                raise ConfigError(f"kv_transfer_params[{field.encode_name!r}] is missing")
-            continue
-        value = params[field.encode_name]
-        try:
-            msgspec.convert(value, field.type)
-        except msgspec.ValidationError as exc:
-            raise _refusal(field.encode_name, value, exc) from None
     try:
         return msgspec.convert(params, cls)
     except msgspec.ValidationError as exc:
         if isinstance(exc.__cause__, ConfigError):  # raised by __post_init__, already names the key
             raise exc.__cause__ from None
-        raise ConfigError(f"kv_transfer_params: {exc}") from None
+        raise _refusal(params, cls, exc) from None
+
+
+def _refusal(params: dict[str, Any], cls: type[_Params], exc: msgspec.ValidationError) -> ConfigError:
+    """Which key was refused, found by checking each field of ``cls`` on its own (only once the whole failed), and
+    msgspec's reason restated with that key and the value that was sent."""
+    for field in msgspec.structs.fields(cls):
+        key = field.encode_name
+        if key not in params:
+            if field.required:
+                return ConfigError(f"kv_transfer_params[{key!r}] is missing")
+            continue
+        try:
+            msgspec.convert(params[key], field.type)
+        except msgspec.ValidationError as bad:
+            return _bad_value(key, params[key], bad)
+    return ConfigError(f"kv_transfer_params: {exc}")
 
 
 def _check_host(host: str) -> None:
@@ -181,14 +187,14 @@ def _check_host(host: str) -> None:
             ) from None
 
 
-def _refusal(key: str, value: Any, exc: msgspec.ValidationError) -> ConfigError:
-    """msgspec's reason for one key's value, restated with the key and the value that was sent; a bad block id is
-    named by value (the list's length passed, so one of its ids is what failed)."""
+def _bad_value(key: str, value: Any, exc: msgspec.ValidationError) -> ConfigError:
+    """One key's refusal; a bad block id is named by value (the list's length passed, so one of its ids failed)."""
     if key == "remote_block_ids" and isinstance(value, list) and len(value) <= MAX_BLOCKS:
-        block = next(b for b in value if type(b) is not int or not 0 <= b <= _MAX_BLOCK_ID)
+        block = next((b for b in value if type(b) is not int or not 0 <= b <= _MAX_BLOCK_ID), None)
         if type(block) is int:
             return ConfigError(f"kv_transfer_params[{key!r}] holds block id {block}, outside 0..{_MAX_BLOCK_ID}")
-        return ConfigError(f"kv_transfer_params[{key!r}] holds a non-integer block id {_shown(block)}")
+        if block is not None:
+            return ConfigError(f"kv_transfer_params[{key!r}] holds a non-integer block id {_shown(block)}")
     return ConfigError(f"kv_transfer_params[{key!r}]: {exc}, got {_shown(value)}")
 
 

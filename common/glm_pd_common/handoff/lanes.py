@@ -91,10 +91,6 @@ class LanePool(Generic[T]):
         for thread in self._threads:
             thread.start()
 
-    @property
-    def count(self) -> int:
-        return self._map.count
-
     def submit(self, key: str, job: T) -> int:
         """Queue ``job`` on ``key``'s lane (assigning one if the key has none); returns the lane."""
         lane = self.lane_of(key)

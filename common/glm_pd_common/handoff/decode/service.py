@@ -189,8 +189,9 @@ class DecodeService:
                 mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
                 self._pull(pieces, result, job)
-                if self.faults is not None:
-                    self.faults.landed(job.request_id, *moved_byte(next(plan for _, plan in pieces if plan.num_runs)))
+                moving = [plan for _, plan in pieces if plan.num_runs]
+                if self.faults is not None and moving:
+                    self.faults.landed(job.request_id, *moved_byte(moving[-1]))
                 for (peer, plan), claim in zip(pieces, claims, strict=True):
                     if claim.digests is not None:
                         self._verify(peer, plan, claim.digests, job.lease_id)
@@ -393,7 +394,8 @@ class DecodeService:
                 for entries in (layers[0] if layers else [], [e for rest in layers[1:] for e in rest]):
                     if not entries:
                         continue  # this rank holds none of the tokens that source has of these layers
-                    self._fault(job, "mid_transfer" if posted else "posting")
+                    if len(posted) < 2:  # before the load's first batch, and between its first two
+                        self._fault(job, "mid_transfer" if posted else "posting")
                     posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0

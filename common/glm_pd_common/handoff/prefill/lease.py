@@ -98,6 +98,9 @@ class LeaseTable:
         self.transfer_ttl_s = transfer_ttl_s
         self._clock = clock
         self._leases: dict[str, Lease] = {}
+        # the AWAITED and UNREADY ones again: what each turn polls for readiness and waiting bounds, without a
+        # pass over every held lease
+        self._unheld: dict[str, Lease] = {}
         self.ended = RecentIds()  # ended lease ids -> how (released, aborted, expired)
 
     def __len__(self) -> int:
@@ -134,9 +137,10 @@ class LeaseTable:
         if lease is not None and lease.state is not LeaseState.AWAITED:
             raise ValueError(f"request {request_id} already holds a lease")
         self.ended.discard(request_id)  # an id used again after its earlier lease ended
-        lease = lease or Lease(request_id)
+        if lease is None:
+            lease = Lease(request_id)
         lease.pages, lease.releases_left, lease.stream = np.asarray(pages, dtype=np.int64), releases, stream
-        self._leases[request_id] = lease
+        self._leases[request_id] = self._unheld[request_id] = lease
         if ready is None:
             self.hold(lease)
         else:
@@ -147,6 +151,7 @@ class LeaseTable:
     def hold(self, lease: Lease) -> None:
         """The pages are final: the lease clock starts now (what waited is then ``take_waiting``'s to answer)."""
         lease.move(LeaseState.HELD)
+        del self._unheld[lease.request_id]
         lease.ready, lease.expires_at = None, self._clock() + self.ttl_s
 
     @staticmethod
@@ -163,7 +168,7 @@ class LeaseTable:
         now = self._clock()
         ready: list[Lease] = []
         ended: list[tuple[Lease, str, str]] = []
-        for lease in [x for x in self._leases.values() if x.state is LeaseState.UNREADY]:
+        for lease in [x for x in self._unheld.values() if x.state is LeaseState.UNREADY]:
             assert lease.ready is not None
             try:
                 done = lease.ready.query()
@@ -180,7 +185,9 @@ class LeaseTable:
     # -- decode's side ----------------------------------------------------------------------------
     def wait(self, request_id: str, ident: bytes, msg: Waiting, bound_s: float) -> None:
         """Decode asked before the pages are held: keep its (first) message ``bound_s`` at most."""
-        lease = self._leases.setdefault(request_id, Lease(request_id))
+        lease = self._leases.get(request_id)
+        if lease is None:
+            lease = self._leases[request_id] = self._unheld[request_id] = Lease(request_id)
         lease.waiting.setdefault(ident, (msg, self._clock() + bound_s))
 
     def expect(self, request_id: str, releases: int) -> None:
@@ -220,6 +227,7 @@ class LeaseTable:
         lease = self._leases.pop(request_id, None)
         if lease is None:
             return None
+        self._unheld.pop(request_id, None)
         if lease.state is not LeaseState.AWAITED:
             self.ended.add(request_id, outcome)
         lease.move(LeaseState.ENDED)
@@ -236,7 +244,7 @@ class LeaseTable:
         it); a record left with none is dropped."""
         now = self._clock()
         out = []
-        for lease in [x for x in self._leases.values() if x.state is LeaseState.AWAITED]:
+        for lease in [x for x in self._unheld.values() if x.state is LeaseState.AWAITED]:
             for ident in [i for i, (_, bound) in lease.waiting.items() if bound < now]:
                 del lease.waiting[ident]
                 out.append((lease.request_id, ident))
