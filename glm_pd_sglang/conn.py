@@ -40,6 +40,7 @@ from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.transport.base import TransportConfig
+from glm_pd_common.transport.devices import thread_device
 from glm_pd_common.transport.digests import region_pages_digest
 from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
@@ -102,7 +103,12 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         mode = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self._open_transport(args)
         if mode == "prefill":
-            self._lanes = LanePool(f"glm-pd-transfer-{self.attn_tp_rank}", self._lane_job, count=TRANSFER_LANES)
+            self._lanes = LanePool(
+                f"glm-pd-transfer-{self.attn_tp_rank}",
+                self._lane_job,
+                count=TRANSFER_LANES,
+                start=self.endpoint.on_thread,
+            )
             self._threads = [threading.Thread(target=self._prefill_loop, name="glm-pd-bootstrap", daemon=True)]
         else:
             self._threads = [threading.Thread(target=self._decode_loop, name="glm-pd-listener", daemon=True)]
@@ -151,7 +157,8 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         transport.register([*self.caches.regions, *self.caches.aux])
         shape = PeerShape(self.caches.page_tokens, self.ranks.num_ranks, rank, sharding=sharding)
         memory = reader_for((r.mem_kind for r in self.caches.regions), torch)
-        self.endpoint = Endpoint(name, self.caches.spec, self.caches.regions, transport, shape, memory)
+        on_device = thread_device(self.caches.regions, torch)
+        self.endpoint = Endpoint(name, self.caches.spec, self.caches.regions, transport, shape, memory, on_device)
         self.transport = transport
         logger.info("glm-pd %s rank %s: %s", mode, self.attn_tp_rank, transport.info().data_path)
 
@@ -210,6 +217,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             self.stats[key] = self.stats.get(key, 0) + value
 
     def _recv_loop(self, handle: Any, *, poll_ms: int, progress: bool) -> None:
+        self.endpoint.on_thread()
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
 from glm_pd_common.transport.base import BACKENDS
 
+HOST_ENV = "GLM_PD_SIDE_CHANNEL_HOST"  # the node's own address, set on each node: overrides side_channel_host
+
 
 @dataclass(frozen=True)
 class GlmPdVllmConfig:
     """Every key glm-pd reads from ``kv_connector_extra_config`` (see README, "vLLM")."""
 
-    side_channel_host: str = "127.0.0.1"  # address prefill's side channel binds to and publishes
+    side_channel_host: str = "127.0.0.1"  # address this node's ranks bind and publish (or GLM_PD_SIDE_CHANNEL_HOST)
     side_channel_port: int = 5710  # base port; TP rank r listens on base + r
     transport: str = "nixl"  # nixl | mooncake
     allow_tcp: bool = False  # accept a data path without RDMA (refused otherwise)
@@ -26,7 +30,9 @@ class GlmPdVllmConfig:
     streamed: bool = False  # prefill announces each step's blocks; decode reads while prefill runs (README)
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> GlmPdVllmConfig:
+    def from_extra(cls, extra: dict[str, Any] | None, env: Mapping[str, str] | None = None) -> GlmPdVllmConfig:
+        """The config from ``extra``; a node's ``GLM_PD_SIDE_CHANNEL_HOST`` names its own address (the ranks of an
+        instance spanning nodes share one ``--kv-transfer-config`` but not one address)."""
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(extra) - set(known))
@@ -43,6 +49,9 @@ class GlmPdVllmConfig:
                 raise ConfigError(f"kv_connector_extra_config[{name!r}] must be {kind.__name__}, got {value!r}")
             values[name] = value
         config = cls(**values)
+        host = (os.environ if env is None else env).get(HOST_ENV, "").strip()
+        if host:
+            config = replace(config, side_channel_host=host)
         if config.transport not in BACKENDS:
             raise ConfigError(
                 f"kv_connector_extra_config['transport'] must be one of {BACKENDS}, got {config.transport!r}"

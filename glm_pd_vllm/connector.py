@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     CacheHitSource,
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -116,6 +117,11 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Every prefill rank's side-channel address, collected by EngineCore from the workers at start-up."""
+        assert self._scheduler is not None
+        self._scheduler.set_rank_addresses(metadata)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, (block_ids,))
@@ -130,6 +136,11 @@ class GlmPdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """The address this rank's side channel listens at, for the scheduler to relay to decode."""
+        assert self._worker is not None
+        return self._worker.address()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

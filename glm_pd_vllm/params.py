@@ -53,9 +53,17 @@ class KvTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     remote_page_tokens: Count  # tokens of one block on one rank (vLLM's --block-size)
     remote_token_shards: Count  # prefill's DCP size: one block id spans remote_page_tokens x this many tokens
     remote_interleave: Count  # prefill's cp_kv_cache_interleave_size
+    # rank r's host, when prefill's ranks span nodes (rank r listens at remote_hosts[r]:remote_port + r)
+    remote_hosts: Annotated[list[Text], msgspec.Meta(max_length=max(SUPPORTED_TP))] = []
 
     def __post_init__(self) -> None:
         _check_host(self.remote_host)
+        for host in self.remote_hosts:
+            _check_host(host, "remote_hosts")
+        if self.remote_hosts and len(self.remote_hosts) != self.tp_size:
+            raise ConfigError(
+                f"kv_transfer_params['remote_hosts'] names {len(self.remote_hosts)} hosts for tp_size {self.tp_size}"
+            )
         if self.tp_size not in SUPPORTED_TP:
             raise ConfigError(f"kv_transfer_params['tp_size'] must be one of {SUPPORTED_TP}, got {self.tp_size}")
         if self.tp_size % self.remote_token_shards:
@@ -81,7 +89,8 @@ class KvTransferParams(msgspec.Struct, kw_only=True, frozen=True):
     def remote(self) -> RemotePrefill:
         """The prefill these params name, as decode pairs with it, loads from it and renews its leases."""
         sharding = Sharding(token_shards=self.remote_token_shards, interleave=self.remote_interleave)
-        return RemotePrefill(self.remote_engine_id, self.remote_host, self.remote_port, self.tp_size, sharding)
+        hosts = tuple(self.remote_hosts)
+        return RemotePrefill(self.remote_engine_id, self.remote_host, self.remote_port, self.tp_size, sharding, hosts)
 
     def encode(self) -> dict[str, Any]:
         """The JSON object vLLM returns to the router (plain lists, ints, strings and bools)."""
@@ -175,7 +184,7 @@ def _refusal(params: dict[str, Any], cls: type[_Params], exc: msgspec.Validation
     return ConfigError(f"kv_transfer_params: {exc}")
 
 
-def _check_host(host: str) -> None:
+def _check_host(host: str, key: str = "remote_host") -> None:
     """An IP address or a DNS name: decode connects there, and zmq refuses anything else with a ZMQError."""
     literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
@@ -183,7 +192,7 @@ def _check_host(host: str) -> None:
     except ValueError:
         if not _HOSTNAME.fullmatch(host):
             raise ConfigError(
-                f"kv_transfer_params['remote_host'] is not an IP address or host name, got {host!r}"
+                f"kv_transfer_params[{key!r}] is not an IP address or host name, got {_shown(host)}"
             ) from None
 
 

@@ -26,6 +26,7 @@ from vllm.v1.request import RequestStatus
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.decode.loads import RemotePrefill
 from glm_pd_common.handoff.wire.protocol import renew_interval
+from glm_pd_vllm.addresses import RankAddress, rank_hosts
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.model import context_parallel
 from glm_pd_vllm.params import KvTransferParams, StreamParams, decode_params, transfer_id
@@ -119,6 +120,7 @@ class GlmPdScheduler:
         kv = vllm_config.kv_transfer_config
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self._meta = GlmPdMetadata()
+        self._rank_hosts: tuple[str, ...] = ()  # each prefill rank's host, once the workers published them
         # id -> (remote, prefix, error)
         self._pending: dict[str, tuple[KvTransferParams | StreamParams | None, int, str]] = {}
         # decode: requests vLLM holds whose load has not started; prefill's leases are renewed for them
@@ -126,6 +128,21 @@ class GlmPdScheduler:
         self._streaming: dict[str, _Streaming] = {}  # prefill: vLLM's request id -> its streamed transfer
         self._renew_every = renew_interval(config.lease_s)  # prefill's lease_s: both sides share the config
         self._next_renewal = time.monotonic() + self._renew_every
+
+    def set_rank_addresses(self, metadata: dict[int, Any]) -> None:
+        """Prefill: every rank's side-channel host, from the workers' handshake metadata (one per TP rank), for
+        decode to dial each rank where it is. Streamed params name one host: a streamed instance whose ranks
+        span hosts is refused here, at start-up."""
+        if not self.is_producer:
+            return
+        addresses = {rank: m for rank, m in metadata.items() if isinstance(m, RankAddress)}
+        hosts = rank_hosts(addresses, self.tp_size, self.port)
+        if self.config.streamed and len(set(hosts)) > 1:
+            raise ConfigError(
+                f"streamed mode needs every prefill rank on one host (decode learns the ranks from rank 0's side "
+                f"channel), but they publish {sorted(set(hosts))}; run this instance in pull mode"
+            )
+        self._rank_hosts = hosts
 
     # -- decode ---------------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -262,8 +279,9 @@ class GlmPdScheduler:
             out = KvTransferParams(
                 remote_engine_id=self.engine_id,
                 remote_request_id=lease_id,
-                remote_host=self.config.side_channel_host,
+                remote_host=self._rank_hosts[0] if self._rank_hosts else self.config.side_channel_host,
                 remote_port=self.port,
+                remote_hosts=list(self._rank_hosts),
                 tp_size=self.tp_size,
                 remote_block_ids=blocks,
                 remote_num_tokens=request.num_computed_tokens,

@@ -25,8 +25,10 @@ from glm_pd_common.layout.fingerprint import PeerShape, check_shape
 from glm_pd_common.layout.pages import block_pages
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig
+from glm_pd_common.transport.devices import thread_device
 from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
+from glm_pd_vllm.addresses import RankAddress, check_bindable
 from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.model import context_parallel
@@ -48,22 +50,6 @@ def tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
     return vllm_config.parallel_config.rank % size, size
 
 
-class _OnDevice:
-    """A CUDA event queried from prefill's service thread under its own device, so that thread never opens a
-    context on GPU 0 (as a bare query would on a rank whose GPU is another)."""
-
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
-        self.event, self.device = event, device
-
-    def query(self) -> bool:
-        with torch.cuda.device(self.device):
-            return bool(self.event.query())
-
-    def synchronize(self) -> None:
-        with torch.cuda.device(self.device):
-            self.event.synchronize()
-
-
 class GlmPdWorker:
     def __init__(self, vllm_config: VllmConfig, config: GlmPdVllmConfig, spec: CacheSpec, engine_id: str) -> None:
         self.config = config
@@ -76,6 +62,8 @@ class GlmPdWorker:
         self.port = engine_port(vllm_config, config.side_channel_port)
         kv = vllm_config.kv_transfer_config
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
+        if self.is_producer:  # decode dials each rank at the host it publishes
+            check_bindable(config.side_channel_host, getattr(vllm_config.parallel_config, "nnodes_within_dp", 1))
         self.transport: Transport | None = None
         self.prefill: PrefillService | None = None
         self.decode: DecodeService | None = None
@@ -123,6 +111,7 @@ class GlmPdWorker:
             self.transport,
             shape,
             reader_for((r.mem_kind for r in regions), torch),
+            thread_device(regions, torch),
         )
         if self.is_producer:
             self.prefill = PrefillService(
@@ -148,29 +137,42 @@ class GlmPdWorker:
             self.transport.info().data_path,
         )
 
+    def address(self) -> RankAddress | None:
+        """Where this prefill rank's side channel listens (decode dials it there); None on decode."""
+        if self.prefill is None:
+            return None
+        return RankAddress(self.tp_rank, self.config.side_channel_host, self.prefill.port)
+
     def bind(self, meta: GlmPdMetadata) -> None:
-        """Before the step's forward: open and end streamed transfers, cancel loads. None of it waits on GPU work,
-        and vLLM calls ``start_load_kv`` only once the forward is launched (on CPU: once it has run), so a
-        decode that subscribed would otherwise wait a whole first step for prefill to know the transfer."""
+        """Before the step's forward: open and end streamed transfers, grant finished requests, cancel loads.
+        None of it waits on GPU work, and vLLM calls ``start_load_kv`` only once the forward is launched (on CPU:
+        once it has run), so a decode that subscribed or claimed would otherwise wait a whole step for it."""
         if self.prefill is not None:
             for transfer_id, num_tokens in meta.opened.items():
                 self.prefill.open_stream(transfer_id, num_tokens)
             for transfer_id, why in meta.ended.items():
                 self.prefill.end_stream(transfer_id, why)
+            self._grant(meta)
         if self.decode is not None:
             for request_id in meta.cancels:
                 self.decode.cancel(request_id)
 
-    def start_load_kv(self, meta: GlmPdMetadata) -> None:
-        ready = self._ready_event() if meta.grants else None
+    def _grant(self, meta: GlmPdMetadata) -> None:
+        """Hold each finished request's blocks for its decode, behind an event recorded now: the steps that
+        wrote them (the forward that finished the request, and its MTP drafter's) were queued on this stream
+        before, and this step's forward, not yet queued, writes none of them."""
+        if self.prefill is None or not meta.grants:
+            return
+        ready = self._ready_event()
         for lease_id, grant in meta.grants.items():
-            if self.prefill is not None:
-                self._lease_requests[lease_id] = grant.request_id
-                pages = block_pages(grant.blocks, self.pages_per_block)
-                if grant.transfer_id:
-                    self.prefill.grant_stream(lease_id, grant.transfer_id, pages, grant.num_tokens, ready=ready)
-                else:
-                    self.prefill.grant(lease_id, pages, ready=ready)
+            self._lease_requests[lease_id] = grant.request_id
+            pages = block_pages(grant.blocks, self.pages_per_block)
+            if grant.transfer_id:
+                self.prefill.grant_stream(lease_id, grant.transfer_id, pages, grant.num_tokens, ready=ready)
+            else:
+                self.prefill.grant(lease_id, pages, ready=ready)
+
+    def start_load_kv(self, meta: GlmPdMetadata) -> None:
         for renewal in meta.renewals:
             if self.decode is not None:
                 self.decode.renew(renewal.remote, renewal.remote_request_ids)
@@ -203,16 +205,15 @@ class GlmPdWorker:
         for transfer_id, (blocks, written) in meta.progress.items():
             self.prefill.advance_stream(transfer_id, block_pages(blocks, self.pages_per_block), written, ready=ready)
 
-    def _ready_event(self) -> _OnDevice | None:
-        """Marks the GPU work queued so far on this device's stream: vLLM calls ``start_load_kv`` after the
-        step's forward is queued, so the event follows every write into a granted block (the forward that
-        finished the request and, with MTP, the drafter's writes of that step). Prefill answers decode's claim
-        only once it has completed. CPU caches are written synchronously: nothing to wait for."""
+    def _ready_event(self) -> torch.cuda.Event | None:
+        """Marks the GPU work queued so far on this device's stream; prefill answers a claim on a grant, and
+        decode reads a streamed step, only once it has completed. CPU caches are written synchronously: nothing
+        to wait for."""
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        return _OnDevice(event, self.device)
+        return event
 
     def transfer_results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()

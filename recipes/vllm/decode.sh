@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# GLM-5.3-FP8 decode instance on one 8xH200 node, GlmPdConnector as kv_consumer.
+# GLM-5.3-FP8 decode instance on one 8xH200 node (or two 8xH100 nodes), GlmPdConnector as kv_consumer.
 # Decode reads each request's suffix from the prefill address that arrives in its kv_transfer_params.
 set -euo pipefail
 MODEL=${MODEL:-zai-org/GLM-5.3-FP8}
 PORT=${PORT:-8200}
 VLLM=${VLLM:-vllm}
+source "$(dirname "$0")/nodes.sh"  # NNODES, NODE_RANK, MASTER_ADDR -> TP and the multi-node flags
 # Context parallelism: each of the 8 ranks holds every 8th token (7.2 GB of a 1M-token request, not 57.4 GB,
 # which an H200 cannot hold beside its 89 GB of weights). DCP=1 (replicated) fits a B200. glm-pd reads
 # each decode rank's tokens from the prefill rank holding them: one copy over the network in all.
@@ -17,7 +18,7 @@ export UCX_NET_DEVICES=${UCX_NET_DEVICES:-mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,ml
 exec "$VLLM" serve "$MODEL" \
   --served-model-name glm-5.3 \
   --host 0.0.0.0 --port "$PORT" \
-  --tensor-parallel-size 8 \
+  --tensor-parallel-size "$TP" "${multinode[@]}" \
   --decode-context-parallel-size "$DCP" \
   --kv-cache-dtype fp8 \
   --block-size 64 \

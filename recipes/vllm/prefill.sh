@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GLM-5.3-FP8 prefill instance on one 8xH200 node, GlmPdConnector as kv_producer.
+# GLM-5.3-FP8 prefill instance on one 8xH200 node (or two 8xH100 nodes), GlmPdConnector as kv_producer.
 # One per prefill node (1P1D: one node; xPyD: one per prefill node, each with its own NODE_IP).
 set -euo pipefail
 : "${NODE_IP:?the address of this node on the RDMA network, published to decode for the side channel}"
@@ -7,11 +7,14 @@ MODEL=${MODEL:-zai-org/GLM-5.3-FP8}
 PORT=${PORT:-8100}
 SIDE_CHANNEL_PORT=${SIDE_CHANNEL_PORT:-5710}  # TP rank r listens on SIDE_CHANNEL_PORT + r
 VLLM=${VLLM:-vllm}
+source "$(dirname "$0")/nodes.sh"  # NNODES, NODE_RANK, MASTER_ADDR -> TP and the multi-node flags
 # Context parallelism: each of the 8 ranks holds every 8th token (7.2 GB of a 1M-token request, not 57.4 GB,
 # which an H200 cannot hold beside its 89 GB of weights). DCP=1 (replicated) fits a B200. glm-pd reads
 # each decode rank's tokens from the prefill rank holding them: one copy over the network in all.
 DCP=${DCP:-8}
 
+# Each node's ranks bind and publish this node's address; the scheduler (node 0) relays every rank's to decode.
+export GLM_PD_SIDE_CHANNEL_HOST=$NODE_IP
 # UCX (under NIXL): RDMA for bytes between nodes, cuda_ipc/cuda_copy for GPU memory, nothing over TCP.
 export UCX_TLS=${UCX_TLS:-rc,cuda_ipc,cuda_copy}
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1}
@@ -19,7 +22,7 @@ export UCX_NET_DEVICES=${UCX_NET_DEVICES:-mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,ml
 exec "$VLLM" serve "$MODEL" \
   --served-model-name glm-5.3 \
   --host 0.0.0.0 --port "$PORT" \
-  --tensor-parallel-size 8 \
+  --tensor-parallel-size "$TP" "${multinode[@]}" \
   --decode-context-parallel-size "$DCP" \
   --kv-cache-dtype fp8 \
   --block-size 64 \

@@ -29,6 +29,7 @@ print("PARSED " + json.dumps({
     "dcp": args.decode_context_parallel_size,
     "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len,
     "speculative_config": args.speculative_config, "model_tag": args.model_tag,
+    "nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr, "headless": args.headless,
 }))
 """
 
@@ -60,6 +61,25 @@ def test_serve_commands_parse(run_recipe, script: str, role: str) -> None:
     assert args["tp"] == 8 and args["dcp"] == 8 and args["block_size"] == 64 and args["kv_cache_dtype"] == "fp8"
     assert args["max_model_len"] == 1048576 and args["speculative_config"]["method"] == "mtp"
     assert env["UCX_TLS"] == "rc,cuda_ipc,cuda_copy" and env["UCX_NET_DEVICES"].startswith("mlx5_0:1")
+
+
+@pytest.mark.parametrize("script", ["vllm/prefill.sh", "vllm/decode.sh"])
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_an_instance_spans_two_h100_nodes(run_recipe, script: str, node_rank: int) -> None:
+    """TP 16 over two nodes (GLM-5.3-FP8's weights exceed 8 x H100): each node runs the script with its own rank;
+    node 1 is headless, and each node's prefill ranks publish that node's own address."""
+    node_ip = f"10.0.0.{11 + node_rank}"
+    argv, env = run_recipe(script, NODE_IP=node_ip, NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR="10.0.0.11")
+    args = parse_serve(argv)
+    assert (args["tp"], args["nnodes"], args["node_rank"], args["master_addr"]) == (16, 2, node_rank, "10.0.0.11")
+    assert args["headless"] == (node_rank == 1)
+    if script == "vllm/prefill.sh":
+        assert GlmPdVllmConfig.from_extra(args["extra"], env).side_channel_host == node_ip
+
+
+def test_a_two_node_instance_needs_node_0s_address(run_recipe) -> None:
+    with pytest.raises(AssertionError, match="MASTER_ADDR: the address of node 0"):
+        run_recipe("vllm/prefill.sh", NODE_IP="10.0.0.11", NNODES="2", NODE_RANK="1")
 
 
 def test_dcp_1_runs_replicated(run_recipe) -> None:

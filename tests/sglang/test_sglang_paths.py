@@ -15,18 +15,23 @@ from tests.support.sglang_checks import FAILED, SUCCESS, assert_clean, assert_ex
 from tests.support.sglang_pair import Pair
 from tests.support.tiny_glm import TINY_GLM
 
+DEVICE = 1  # not the device a new thread starts on
+
 
 def test_chunks_wait_for_their_events(pair) -> None:
     """Chunked prefill under overlap: SGLang early-sends each computed chunk with a ``wait_event``; with a
     decode prefix hit, and with host page ids behind an ``indices_event``. Reading before either completes
-    sends stale bytes or page 0: decode's pages would differ from prefill's."""
+    sends stale bytes or page 0: decode's pages would differ from prefill's. The ranks' caches are set up as if
+    on CUDA device 1 (tests/support/device_double.py notes which device each synchronizing thread selected)."""
     requests = [
         {"room": 71, "tokens": 2100, "prefix": 64, "chunk_pages": 7},
         {"room": 72, "tokens": 1500, "chunk_pages": 4, "host_indices": True},
     ]
-    prefill, decode = pair.run(requests)
+    prefill, decode = pair.run(requests, device=DEVICE)
     assert_exact(prefill, decode)
     p71, p72 = prefill["results"]
+    # the lanes are glm-pd's threads: each synchronized under the rank's device (never GPU 0's context)
+    assert p71["synced_on"] == [DEVICE] == p72["synced_on"]
     assert p71["wait_events"] == [4] and p72["wait_events"] == [5]  # one per chunk but the last
     assert p71["wait_events_synced"] == [4] and p72["wait_events_synced"] == [5]  # on the transfer lane
     assert p72["indices_events"] == [6] == p72["indices_events_synced"]  # every send of room 72

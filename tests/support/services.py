@@ -20,7 +20,9 @@ from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.base import TransportConfig
+from glm_pd_common.transport.devices import ThreadSetup, host_only
 from glm_pd_common.transport.factory import create_transport
+from glm_pd_common.transport.memory import HOST, MemoryReader
 from tests.support.faults import FaultyTransport, Injector
 
 PAGE_TOKENS, NUM_PAGES, SEED = 64, 16, 5
@@ -55,8 +57,10 @@ class Prefill:
         timeout_s: float = 10.0,
         idle_s: float = 1.0,
         streamed: bool = False,
+        on_thread: ThreadSetup = host_only,
     ) -> None:
-        self.caches, self.local = endpoint(spec, "prefill-0", timeout_s)
+        self.caches, local = endpoint(spec, "prefill-0", timeout_s)
+        self.local = replace(local, on_thread=on_thread)
         self.table = np.arange(NUM_PAGES, dtype=np.int64)[::-1].copy()
         self.caches.write_tokens(self.table, 0, NUM_PAGES * PAGE_TOKENS, seed=SEED)
         self.service = PrefillService(
@@ -89,11 +93,19 @@ class Decode:
     """One decode rank (a process's worth: its own agent and caches); ``load`` pulls one request."""
 
     def __init__(
-        self, spec: CacheSpec, name: str = "decode-0", *, timeout_s: float = 10.0, beat_s: float = 0.2
+        self,
+        spec: CacheSpec,
+        name: str = "decode-0",
+        *,
+        timeout_s: float = 10.0,
+        beat_s: float = 0.2,
+        on_thread: ThreadSetup = host_only,
+        memory: MemoryReader = HOST,
     ) -> None:
         self.caches, local = endpoint(spec, name, timeout_s)
         self.faults = Injector()
-        self.local = replace(local, transport=FaultyTransport(local.transport, self.faults))
+        transport = FaultyTransport(local.transport, self.faults)
+        self.local = replace(local, transport=transport, on_thread=on_thread, memory=memory)
         self.service = DecodeService(
             self.local, timeout_s=timeout_s, verify_digests=True, heartbeat_s=beat_s, faults=self.faults
         )

@@ -43,6 +43,7 @@ class Pair:
         e2e: dict | None = None,
         more_decodes: tuple[list[dict], ...] = (),
         draft: bool = True,
+        device: int | None = None,
     ) -> tuple[dict | None, dict]:
         """Prefill serves ``requests``; each of ``more_decodes`` is another decode engine with its own rooms
         (their reports land in ``self.more``), and the first decode engine takes the remaining rooms."""
@@ -57,6 +58,7 @@ class Pair:
             "pool_pages": pool_pages,
             "e2e": e2e,
             "draft": draft,  # both sides run a drafter (the MTP layer's caches)
+            "device": device,  # glm-pd's threads set up as if the ranks' caches sat on this CUDA device
         }
         base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
         configs = {

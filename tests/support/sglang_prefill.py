@@ -43,6 +43,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 
+from tests.support.device_double import DeviceDouble
 from tests.support.sglang_rank import Rank, rss_kb
 
 _RESULT_WAIT_S = 1.0
@@ -58,6 +59,9 @@ class Write:
         if not self.done:
             self.done = True
             self.fn()
+
+
+DEVICES = DeviceDouble()  # torch's per-thread CUDA device, as the event doubles see it
 
 
 class StreamDouble:
@@ -80,6 +84,7 @@ class EventDouble:
         self.writes: list[Write] = []
         self.synced_off_main = False  # synchronized by a backend thread, not the scheduler's
         self.kind = "wait"  # or "indices" (page ids copied to the host)
+        self.synced_on: int | None = None  # the CUDA device the synchronizing thread had selected
         EventDouble.made.append(self)
 
     def record(self, stream: StreamDouble | None = None) -> None:
@@ -87,6 +92,7 @@ class EventDouble:
 
     def synchronize(self) -> None:
         self.synced_off_main |= threading.current_thread() is not threading.main_thread()
+        self.synced_on = DEVICES.current_device()
         for w in self.writes:
             w.land()
 
@@ -320,6 +326,7 @@ class PrefillLoop:
             out[f"{kind}_events_synced"] = [
                 sum(e.kind == kind and e.synced_off_main for e in run.events) for run in runs
             ]
+        out["synced_on"] = sorted({e.synced_on for run in runs for e in run.events if e.synced_on is not None})
         for i, (r, run) in enumerate(zip(self.ranks, runs, strict=True)):
             if run.last_write is not None:
                 run.last_write.land()  # the GPU finishes every forward eventually

@@ -53,7 +53,7 @@ from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 load_plugins()
-from tests.support.sglang_prefill import PrefillLoop, meta_row, prompt_ids, reason_of  # noqa: E402
+from tests.support.sglang_prefill import DEVICES, PrefillLoop, meta_row, prompt_ids, reason_of  # noqa: E402
 from tests.support.sglang_rank import Rank, rss_kb  # noqa: E402
 from tests.support.tiny_dsa import TinyDsa  # noqa: E402
 
@@ -76,6 +76,10 @@ server_args = prepare_server_args(
     ]
 )  # fmt: skip
 get_context().set_server_args(server_args)
+if cfg.get("device") is not None:  # DeviceDouble notes which device each of glm-pd's threads selected
+    import glm_pd_sglang.conn
+
+    glm_pd_sglang.conn.thread_device = lambda regions, _torch: DEVICES.setup_for(list(regions), cfg["device"])
 MODEL_CONFIG = ModelConfig.from_server_args(server_args)
 MODEL = TinyDsa(MODEL_CONFIG.hf_config.num_hidden_layers, sorted(cfg["full_layers"]), seed=E2E["seed"]) if E2E else None
 Receiver = get_kv_class(TransferBackend(server_args.disaggregation_transfer_backend), KVClassType.RECEIVER)

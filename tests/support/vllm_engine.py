@@ -60,6 +60,8 @@ def vllm_config(job: dict, rank: int) -> VllmConfig:
         "verify_checksums": True,
         **job.get("extra", {}),
     }
+    if "rank_hosts" in job:  # each rank on its own node: that node's side_channel_host
+        extra["side_channel_host"] = job["rank_hosts"][rank]
     kv = KVTransferConfig(
         kv_connector="GlmPdConnector",
         kv_connector_module_path=job.get("module_path"),
@@ -160,6 +162,9 @@ class Engine:
         ]
         for worker, caches in zip(self.workers, self.caches, strict=True):
             worker.register_kv_caches(kv_caches(caches))
+        # as EngineCore once the caches are registered: each worker's handshake metadata to the scheduler's side
+        published = {(0, rank): worker.get_handshake_metadata() for rank, worker in enumerate(self.workers)}
+        self.connector.set_xfer_handshake_metadata_pp_aware({k: m for k, m in published.items() if m is not None})
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], len(self.workers))
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)

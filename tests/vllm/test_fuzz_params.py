@@ -63,6 +63,7 @@ GOOD = {  # a real prefill's params for a 100-token prompt in 64-token blocks
     "remote_page_tokens": 64,
     "remote_token_shards": 1,
     "remote_interleave": 1,
+    "remote_hosts": [],  # every rank on remote_host (one node)
 }
 
 json_ints = st.one_of(
@@ -324,6 +325,10 @@ def test_prefill_does_not_build_params_decode_would_refuse() -> None:
         KvTransferParams(**{**fields, "remote_block_ids": [0, 1, 2]})
     with pytest.raises(ConfigError, match="remote_host"):
         KvTransferParams(**{**fields, "remote_host": "tcp://x"})
+    with pytest.raises(ConfigError, match=r"kv_transfer_params\['remote_hosts'\] is not an IP address"):
+        KvTransferParams(**{**fields, "remote_hosts": ["tcp://x"]})
+    with pytest.raises(ConfigError, match="names 2 hosts for tp_size 1"):
+        KvTransferParams(**{**fields, "remote_hosts": ["10.0.0.1", "10.0.0.2"]})
     assert msgspec.to_builtins(KvTransferParams(**fields)) == GOOD
 
 

@@ -11,8 +11,11 @@ import time
 import pytest
 from vllm.v1.request import RequestStatus
 
+from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from tests.support.device_double import DeviceDouble
 from tests.support.ports import free_port_range
+from tests.support.services import wait_for
 from tests.support.vllm_engine import Engine, _mismatched
 
 PROMPT = 300  # tokens: five blocks of 64, ten of 32, nineteen of 16
@@ -335,3 +338,79 @@ def test_prefill_knows_a_streamed_transfer_before_its_first_forward(pair) -> Non
         time.sleep(0.01)
     assert service.leftovers()["streams"] == 1, "the transfer is not open before the step's forward"
     prefill.workers[0].clear_connector_metadata()
+
+
+def test_every_glm_pd_thread_selects_the_rank_device(pair, monkeypatch) -> None:
+    """The worker derives its threads' setup from its regions (``DeviceDouble`` stands in for torch's device
+    selection, as if the caches sat on CUDA device 1): prefill's service thread and decode's load lanes select
+    that device before their first call, so no event query or copy of theirs opens GPU 0's context."""
+    import glm_pd_vllm.worker
+
+    devices = DeviceDouble()
+    monkeypatch.setattr(glm_pd_vllm.worker, "thread_device", lambda regions, _: devices.setup_for(regions, 1))
+    prefill, decode = pair(32 * 64)
+    prompt = list(range(1, PROMPT + 1))
+    decode.add("A", prompt, [(PROMPT, 3)], prefilled(prefill, "A", prompt, [(PROMPT, 3)]), max_tokens=2)
+    both(prefill, decode, lambda: decode.tracked["A"].finish is not None)
+    assert decode.tracked["A"].mismatched == [], decode.tracked["A"]
+    selected = {name for name, call, device in devices.calls if call == "set_device" and device == 1}
+    assert any(name.startswith("glm-pd-prefill") for name in selected), devices.calls
+    assert any(name.startswith("glm-pd-decode") for name in selected), devices.calls
+    settled(prefill, decode)
+
+
+def test_a_claim_is_answered_before_the_forward_of_the_step_that_grants_it(pair) -> None:
+    """The step after a request finished carries its grant; vLLM binds that step's metadata, launches the forward,
+    then calls ``start_load_kv``. Granting at bind, behind an event recorded there, lets prefill answer decode's
+    claim while that forward runs: here prefill's step stops after the bind, and decode's load still completes."""
+    prefill, decode = pair(32 * 64)
+    prompt = list(range(1, PROMPT + 1))
+    params = prefilled(prefill, "A", prompt, [(PROMPT, 3)])
+    out = prefill.scheduler.schedule()
+    worker = prefill.workers[0]
+    assert out.kv_connector_metadata.grants, "the step after A finished carries no grant"
+    worker.bind_connector_metadata(out.kv_connector_metadata)  # the forward would be launched next
+    service = worker._worker.prefill
+    held = wait_for(service.leftovers, lambda h: h["leases"] == 1, 5.0)
+    assert held["leases"] == 1, f"no lease before the step's forward: {held}"
+    decode.add("A", prompt, [(PROMPT, 3)], params, max_tokens=2)
+    decode.run(lambda: decode.tracked["A"].finish is not None)
+    assert decode.tracked["A"].finish == "length" and decode.tracked["A"].mismatched == [], decode.tracked["A"]
+    worker.clear_connector_metadata()
+
+
+RANK_HOSTS = ["127.0.0.1", "127.0.0.2"]  # both local: each prefill rank as if on its own node
+
+
+def test_a_prefill_whose_ranks_sit_on_two_hosts_is_read_on_both(pair) -> None:
+    """TP 16 over two H100 nodes, in small: each prefill rank binds its own node's address, the workers publish it
+    through vLLM's handshake metadata, the scheduler relays every rank's host in the params, and decode dials each
+    rank where it is. DCP 2 shards the tokens over both prefill ranks, so decode must read both."""
+    prefill, decode = pair(32 * 64, {"tp": 2, "dcp": 2, "rank_hosts": RANK_HOSTS}, tp=2)
+    prompt = list(range(1, PROMPT + 1))
+    params = prefilled(prefill, "r", prompt, [(PROMPT, 1)])
+    assert params["remote_hosts"] == RANK_HOSTS and params["remote_host"] == RANK_HOSTS[0], params
+    decode.add("r", prompt, [(PROMPT, 1)], params, max_tokens=STREAM)
+    both(prefill, decode, lambda: decode.tracked["r"].finish is not None)
+    track = decode.tracked["r"]
+    assert track.checked == {0, 1} and track.mismatched == [] and track.finish == "length", track
+    dialed = {link.client.address for w in decode.workers for link in w._worker.decode._links.all()}
+    port = prefill.workers[0]._worker.prefill.port
+    assert dialed == {f"{RANK_HOSTS[0]}:{port}", f"{RANK_HOSTS[1]}:{port + 1}"}, dialed
+    settled(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("prefill_job", "refusal"),
+    [
+        ({"extra": {"side_channel_host": "0.0.0.0"}}, "binds every interface but is no address decode can dial"),
+        ({"rank_hosts": RANK_HOSTS, "extra": {"streamed": True}}, "streamed mode needs every prefill rank on one"),
+    ],
+    ids=["wildcard", "streamed-across-hosts"],
+)
+def test_a_prefill_glm_pd_cannot_serve_across_nodes_is_refused_at_start(tiny_model, prefill_job, refusal) -> None:
+    job = {"model": tiny_model, "block_size": 64, "tp": 2, "port": free_port_range(8), "lease_s": 30.0,
+           "module_path": "glm_pd_vllm.connector", "role": "kv_producer", "engine_id": "P", "pool_tokens": 64 * 64,
+           **prefill_job}  # fmt: skip
+    with pytest.raises(ConfigError, match=refusal):
+        Engine(job).shutdown()

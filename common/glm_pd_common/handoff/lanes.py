@@ -66,8 +66,9 @@ class LanePool(Generic[T]):
     and decode's load lanes. A key keeps its lane (``LaneMap``), so one key's jobs never overlap or reorder, and
     a key stuck in a job holds only its own lane, never every queued job up to its timeout.
 
-    ``between(lane)`` runs on the lane's thread before each wait for a job (decode sends due renewals there, so
-    a renewal never waits behind a backlog of loads); ``idle(lane)`` after ``idle_s`` with no job (heartbeats).
+    ``start()`` runs first on each lane's thread (the endpoint's device selection); ``between(lane)`` before
+    each wait for a job (decode sends due renewals there, so a renewal never waits behind a backlog of loads);
+    ``idle(lane)`` after ``idle_s`` with no job (heartbeats).
     """
 
     def __init__(
@@ -79,8 +80,10 @@ class LanePool(Generic[T]):
         idle_s: float | None = None,
         between: Callable[[int], None] | None = None,
         idle: Callable[[int], None] | None = None,
+        start: Callable[[], None] | None = None,
     ) -> None:
         self._map = LaneMap(count)
+        self._start = start
         self._work, self._between, self._idle, self._idle_s = work, between, idle, idle_s
         self._queues: list[queue.SimpleQueue[T | _Wake | None]] = [queue.SimpleQueue() for _ in range(count)]
         self._lock = threading.Lock()
@@ -133,6 +136,8 @@ class LanePool(Generic[T]):
     def _run(self, lane: int) -> None:
         jobs = self._queues[lane]
         self._here.lane = lane
+        if self._start is not None:
+            self._start()
         while True:
             self._guarded(self._between, lane)
             try:

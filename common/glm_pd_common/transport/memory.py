@@ -113,10 +113,10 @@ def cuda_copier(torch: Any) -> Copier:
 
     def copy(region: Region, offsets: np.ndarray, lengths: np.ndarray) -> memoryview:
         total = int(lengths.sum())
-        if not host or host[0].numel() < total:
-            host[:] = [torch.empty(total, dtype=torch.uint8, pin_memory=True)]
         device = torch.device("cuda", region.device_id)
-        with torch.cuda.device(device):
+        with torch.cuda.device(device):  # pinning, too, is a CUDA call: never on the thread's default device
+            if not host or host[0].numel() < total:
+                host[:] = [torch.empty(total, dtype=torch.uint8, pin_memory=True)]
             at = 0
             for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
                 src = torch.as_tensor(_DeviceBytes(region.base_addr + off, n), device=device)

@@ -55,7 +55,7 @@ class PrefillLinks:
         key = (remote.engine_id, rank)
         if key in self._links:
             return self._links[key]
-        client = SideChannelClient(remote.host, remote.base_port + rank)
+        client = SideChannelClient(remote.host_of(rank), remote.base_port + rank)
         try:
             client.send(self.local.hello(self.local.transport.metadata()))
             reply = client.recv(self.timeout_s, progress=self._progress)
@@ -73,7 +73,7 @@ class PrefillLinks:
                 raise Refused(str(exc), "refused_peer") from exc
             if view.engine_id != remote.engine_id or view.shape.tp_rank != rank:
                 raise ProtocolError(
-                    f"{remote.host}:{remote.base_port + rank} is {view.engine_id} rank "
+                    f"{client.address} is {view.engine_id} rank "
                     f"{view.shape.tp_rank}, not {remote.engine_id} rank {rank}"
                 )
             agent = self.local.transport.add_peer(view.agent_metadata, view.spans)

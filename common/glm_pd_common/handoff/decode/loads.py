@@ -32,13 +32,18 @@ from glm_pd_common.layout.shards import REPLICATED, Sharding
 class RemotePrefill:
     """Where a request's prefill lives: its engine id, side-channel host, base port (rank r: +r), TP size,
     and how its ranks shard the caches (decode needs it to pick its sources before any handshake). A streamed
-    request's params name only the host and port (``tp_size`` 0): decode asks rank 0 for the rest."""
+    request's params name only the host and port (``tp_size`` 0): decode asks rank 0 for the rest. ``hosts``
+    holds each rank's own host where the instance spans nodes (empty: every rank is on ``host``)."""
 
     engine_id: str
     host: str
     base_port: int
     tp_size: int
     sharding: Sharding = REPLICATED
+    hosts: tuple[str, ...] = ()
+
+    def host_of(self, rank: int) -> str:
+        return self.hosts[rank] if self.hosts else self.host
 
     @property
     def address(self) -> str:

@@ -110,6 +110,7 @@ class DecodeService:
             idle_s=heartbeat_s,
             between=self._renewals.send,
             idle=self._heartbeat,
+            start=local.on_thread,
         )
 
     # -- engine-facing, thread-safe ---------------------------------------------------------------

@@ -178,6 +178,7 @@ class PrefillService:
 
     # -- the service thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        self.local.on_thread()
         while not self._stop.is_set():
             try:
                 self._step()

@@ -19,6 +19,7 @@ from glm_pd_common.layout.regions import Region, plan_order
 from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span, Transport
+from glm_pd_common.transport.devices import ThreadSetup, host_only
 from glm_pd_common.transport.memory import HOST, MemoryReader
 
 
@@ -66,6 +67,7 @@ class Endpoint:
     transport: Transport
     shape: PeerShape
     memory: MemoryReader = HOST  # how digests read the regions (device memory needs the adapter's reader)
+    on_thread: ThreadSetup = host_only  # what each thread glm-pd starts runs first (selects the CUDA device)
 
     def hello(self, agent_metadata: bytes) -> protocol.Hello:
         return make_hello(
