@@ -11,6 +11,8 @@ source "$(dirname "$0")/nodes.sh"  # NNODES, NODE_RANK, MASTER_ADDR -> TP and th
 # each decode rank's tokens from the prefill rank holding them: one copy over the network in all.
 DCP=${DCP:-8}
 
+# Under Mooncake decode's transport binds this node's address too (NIXL needs none on decode).
+if [ -n "${NODE_IP:-}" ]; then export GLM_PD_SIDE_CHANNEL_HOST=$NODE_IP; fi
 export UCX_TLS=${UCX_TLS:-rc,cuda_ipc,cuda_copy}
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,mlx5_4:1,mlx5_5:1,mlx5_6:1,mlx5_7:1}
 

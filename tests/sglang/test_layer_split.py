@@ -56,6 +56,19 @@ def test_every_decode_rank_gets_every_layer(
         assert sum(moved) == pages * len(layers) * PAGE * row * decode_tp, kind
 
 
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+def test_prefill_ranks_on_two_hosts_are_each_read_where_they_are(pair, transport: str) -> None:
+    """An instance spanning nodes: each prefill rank binds and registers its own node's address (SGLang's
+    ``local_ip``, here 127.0.0.1 and 127.0.0.2; Mooncake's engine binds it too), and every decode rank reads both
+    layer shards, each at its rank's host, over SGLang's own bootstrap."""
+    hosts = ["127.0.0.1", "127.0.0.2"]
+    env = {**VERIFY, "SGLANG_GLM_PD_TRANSPORT": transport}
+    prefill, decode = pair.run(REQUESTS, prefill_cp=2, layer_split=True, decode_tp=2, env=env, prefill_hosts=hosts)
+    assert prefill["hosts"] == hosts
+    assert_exact(prefill, decode, 1, 2, prefill_cp=2, layer_split=True)
+    assert_clean(prefill, decode)
+
+
 def test_layer_split_without_a_drafter(pair) -> None:
     """No MTP cache on either side: the last shard lists no draft caches, and no shard's fingerprint names one."""
     prefill, decode = pair.run(REQUESTS, prefill_cp=2, layer_split=True, decode_tp=2, env=VERIFY, draft=False)

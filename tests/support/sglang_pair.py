@@ -44,6 +44,7 @@ class Pair:
         more_decodes: tuple[list[dict], ...] = (),
         draft: bool = True,
         device: int | None = None,
+        prefill_hosts: list[str] | None = None,
     ) -> tuple[dict | None, dict]:
         """Prefill serves ``requests``; each of ``more_decodes`` is another decode engine with its own rooms
         (their reports land in ``self.more``), and the first decode engine takes the remaining rooms."""
@@ -63,7 +64,8 @@ class Pair:
         base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
         configs = {
             "prefill": {**common, "role": "prefill", "tp": prefill_tp, "env": {**base_env, **(prefill_env or {})},
-                        "linger_s": linger_s, "cp": prefill_cp, "layer_split": layer_split},
+                        "linger_s": linger_s, "cp": prefill_cp, "layer_split": layer_split,
+                        "rank_hosts": prefill_hosts},
             "decode": {**common, "role": "decode", "tp": decode_tp, "env": {**base_env, **(decode_env or {})},
                        "row_bytes": decode_row_bytes},
         }  # fmt: skip

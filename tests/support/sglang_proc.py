@@ -258,7 +258,11 @@ def main() -> None:
         from glm_pd_sglang.endpoints import GlmPdKVBootstrapServer
 
         server = GlmPdKVBootstrapServer(host="127.0.0.1", port=cfg["bootstrap_port"])
-    ranks = [Rank(i, cfg, server_args, MODEL_CONFIG) for i in range(cfg["tp"] * cfg.get("cp", 1))]
+    ranks = []
+    for i in range(cfg["tp"] * cfg.get("cp", 1)):
+        if cfg.get("rank_hosts"):  # each rank as if on its own node: SGLang's local_ip comes from SGLANG_HOST_IP
+            os.environ["SGLANG_HOST_IP"] = cfg["rank_hosts"][i]
+        ranks.append(Rank(i, cfg, server_args, MODEL_CONFIG))
     print("GLMPD_TEST ready", flush=True)
     if ROLE == "prefill":
         results = PrefillLoop(ranks, cfg, MODEL, cfg["bootstrap_port"], wait_for_decode).run()
@@ -273,6 +277,7 @@ def main() -> None:
         "refusals": [r.mgr.refusals for r in ranks],
         "leftovers": [r.mgr.leftovers() for r in ranks],
         "data_path": ranks[0].mgr.transport.info().data_path,
+        "hosts": [r.mgr.local_ip for r in ranks],
         "device_ids": [sorted({reg.device_id for reg in r.mgr.caches.regions}) for r in ranks],
     }
     Path(cfg["out"]).write_text(json.dumps(report))
