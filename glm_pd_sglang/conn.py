@@ -45,6 +45,7 @@ from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
 from glm_pd_sglang import wire
 from glm_pd_sglang.config import GlmPdSglangConfig
+from glm_pd_sglang.devices import rank_ib_devices
 from glm_pd_sglang.kvargs import rank_caches
 from glm_pd_sglang.model import model_geometry, scale_format
 from glm_pd_sglang.parallel import AttentionRanks, check_routing, refuse_unsupported
@@ -121,6 +122,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         )
         rank = self.ranks.rank(self.attn_cp_rank, self.attn_tp_rank)
         sharding, g = self.ranks.sharding, self.geometry
+        gpu_id = int(getattr(args, "gpu_id", 0) or 0)
         held = None
         if self.ranks.splits_layers:
             # Only the last shard lists the draft's caches, so the others learn whether there is an MTP cache
@@ -133,7 +135,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             g,
             scale_format=scale_format(self.glm_config, device),
             mem_kind="DRAM" if device == "cpu" else "VRAM",
-            device_id=int(getattr(args, "gpu_id", 0) or 0),
+            device_id=gpu_id,
             held=held,
         )
         mode = "prefill" if prefill else "decode"
@@ -145,7 +147,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
                 host=self.local_ip,
                 allow_tcp=self.glm_config.allow_tcp,
                 timeout_s=self.glm_config.timeout_s,
-                devices=str(getattr(args, "ib_device", "") or ""),
+                devices=rank_ib_devices(getattr(args, "ib_device", None), gpu_id),
             ),
         )
         transport.register([*self.caches.regions, *self.caches.aux])
