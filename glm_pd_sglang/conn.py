@@ -30,6 +30,7 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, 
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils.common import get_device_capability
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
@@ -133,7 +134,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         self.caches = rank_caches(
             args,
             g,
-            scale_format=scale_format(self.glm_config, device),
+            scale_format=scale_format(
+                self.glm_config, device, get_device_capability(gpu_id) if device == "cuda" else (None, None)
+            ),
             mem_kind="DRAM" if device == "cpu" else "VRAM",
             device_id=gpu_id,
             held=held,

@@ -1,4 +1,5 @@
-"""Per-rank facts glm-pd reads from SGLang: each GPU's RDMA devices from ``--disaggregation-ib-device``."""
+"""Per-rank device facts glm-pd reads from SGLang: the GPU's RDMA devices from ``--disaggregation-ib-device``,
+and the indexer scale encoding SGLang writes on the GPU's capability."""
 
 import json
 from pathlib import Path
@@ -8,10 +9,14 @@ from sglang.srt.plugins import load_plugins
 
 load_plugins()
 
+from sglang.srt.platforms.device_mixin import DeviceCapability  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
+from sglang.srt.utils.common import get_device_capability  # noqa: E402
 
 from glm_pd_common.errors import ConfigError  # noqa: E402
+from glm_pd_sglang.config import GlmPdSglangConfig  # noqa: E402
 from glm_pd_sglang.devices import rank_ib_devices  # noqa: E402
+from glm_pd_sglang.model import scale_format  # noqa: E402
 
 
 def ib_device_arg(tiny_model: str, value: str) -> str:
@@ -74,3 +79,41 @@ def test_a_malformed_or_missing_json_file_is_refused(tiny_model: str, tmp_path: 
         rank_ib_devices(value, 0)
     with pytest.raises(ConfigError, match="does not exist"):
         rank_ib_devices(str(tmp_path / "absent.json"), 0)
+
+
+def config(configured: str = "") -> GlmPdSglangConfig:
+    return GlmPdSglangConfig.from_env({"SGLANG_GLM_PD_INDEXER_SCALE_FORMAT": configured} if configured else {})
+
+
+@pytest.mark.parametrize(
+    ("device", "capability"),
+    [
+        ("cuda", DeviceCapability(9, 0)),  # H100 / H200
+        ("cuda", DeviceCapability(10, 0)),  # B200: SGLang, unlike vLLM, stores fp32 here too
+        ("cuda", DeviceCapability(10, 3)),  # B300
+        ("cuda", DeviceCapability(12, 0)),  # RTX PRO 6000 / DGX Spark class
+        ("cpu", (None, None)),
+    ],
+)
+def test_sglang_writes_fp32_indexer_scales_on_every_device(device: str, capability) -> None:
+    assert scale_format(config(), device, capability) == "fp32"
+    assert scale_format(config("fp32"), device, capability) == "fp32"
+
+
+@pytest.mark.parametrize("capability", [DeviceCapability(10, 0), DeviceCapability(12, 0), DeviceCapability(9, 0)])
+def test_a_configured_scale_format_the_device_contradicts_is_refused(capability: DeviceCapability) -> None:
+    sm = f"SM{capability.to_int()}"
+    with pytest.raises(ConfigError, match=rf"configured 'ue8m0x4', but SGLang writes 'fp32' .*\(CUDA {sm}\)"):
+        scale_format(config("ue8m0x4"), "cuda", capability)
+
+
+def test_the_capability_as_sglang_reads_it_for_the_rank_gpu() -> None:
+    """SGLang's own probe answers ``(None, None)`` where it finds no CUDA device: a CUDA rank is then refused
+    rather than guessed; with a GPU, its real capability gives fp32."""
+    capability = get_device_capability(0)
+    if capability[0] is None:
+        with pytest.raises(ConfigError, match="cannot read the CUDA device capability"):
+            scale_format(config(), "cuda", capability)
+    else:
+        assert scale_format(config(), "cuda", capability) == "fp32"
+    assert scale_format(config(), "cpu", capability) == "fp32"
