@@ -26,7 +26,7 @@ class GlmPdSglangConfig:
     allow_tcp: bool = False  # accept a data path without RDMA (refused otherwise)
     timeout_s: float = 60.0  # bound on every transfer wait
     verify_checksums: bool = False  # glm-pd's per-region xxh3 digests, checked before Success
-    indexer_scale_format: str = ""  # fp32 (SM90) | ue8m0x4 (SM100); empty: from the device
+    indexer_scale_format: str = ""  # empty: from the device; SGLang writes fp32 on every device
     model_revision: str = ""  # checked between peers when both set it
 
     @classmethod

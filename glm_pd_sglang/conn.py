@@ -30,6 +30,7 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, 
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils.common import get_device_capability
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
@@ -46,6 +47,7 @@ from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
 from glm_pd_sglang import wire
 from glm_pd_sglang.config import GlmPdSglangConfig
+from glm_pd_sglang.devices import rank_ib_devices
 from glm_pd_sglang.kvargs import rank_caches
 from glm_pd_sglang.model import model_geometry, scale_format
 from glm_pd_sglang.parallel import AttentionRanks, check_routing, refuse_unsupported
@@ -127,6 +129,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         )
         rank = self.ranks.rank(self.attn_cp_rank, self.attn_tp_rank)
         sharding, g = self.ranks.sharding, self.geometry
+        gpu_id = int(getattr(args, "gpu_id", 0) or 0)
         held = None
         if self.ranks.splits_layers:
             # Only the last shard lists the draft's caches, so the others learn whether there is an MTP cache
@@ -137,9 +140,11 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         self.caches = rank_caches(
             args,
             g,
-            scale_format=scale_format(self.glm_config, device),
+            scale_format=scale_format(
+                self.glm_config, device, get_device_capability(gpu_id) if device == "cuda" else (None, None)
+            ),
             mem_kind="DRAM" if device == "cpu" else "VRAM",
-            device_id=int(getattr(args, "gpu_id", 0) or 0),
+            device_id=gpu_id,
             held=held,
         )
         mode = "prefill" if prefill else "decode"
@@ -151,7 +156,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
                 host=self.local_ip,
                 allow_tcp=self.glm_config.allow_tcp,
                 timeout_s=self.glm_config.timeout_s,
-                devices=str(getattr(args, "ib_device", "") or ""),
+                devices=rank_ib_devices(getattr(args, "ib_device", None), gpu_id),
             ),
         )
         transport.register([*self.caches.regions, *self.caches.aux])

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from glm_pd_common.layout.cache_dtypes import indexer_scale_format
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_sglang.config import GlmPdSglangConfig
 
@@ -29,13 +30,13 @@ def model_geometry(server_args: Any, revision: str = "") -> ModelGeometry:
     return geometry
 
 
-def scale_format(config: GlmPdSglangConfig, device: str) -> str:
-    """fp32 power-of-two scales on SM90 and CPU; four UE8M0 bytes on SM100 and newer."""
-    if config.indexer_scale_format:
-        return config.indexer_scale_format
-    if device == "cuda":
-        import torch
+def scale_format(config: GlmPdSglangConfig, device: str, capability: tuple[int | None, int | None]) -> str:
+    """The indexer scale encoding SGLang writes on this rank's device: fp32 on every SM and on CPU (see
+    ``cache_dtypes``); a configured SGLANG_GLM_PD_INDEXER_SCALE_FORMAT that contradicts it is refused.
 
-        if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10:
-            return "ue8m0x4"
-    return "fp32"
+    ``capability`` is the rank's own GPU as SGLang's ``get_device_capability`` reads it, ``(None, None)`` where
+    it finds no CUDA device; the device of another rank (or GPU 0) would be the wrong one on a mixed node.
+    """
+    major, minor = capability
+    known = None if major is None or minor is None else (major, minor)
+    return indexer_scale_format("sglang", device, known, config.indexer_scale_format)

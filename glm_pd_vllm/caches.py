@@ -17,7 +17,7 @@ import re
 import torch
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.layout.cache_dtypes import vllm_indexer_scale_format
+from glm_pd_common.layout.cache_dtypes import indexer_scale_format
 from glm_pd_common.layout.formats import ROW_FORMATS, check_page_tokens, main_row_format
 from glm_pd_common.layout.regions import Region, build_regions
 from glm_pd_common.layout.spec import CacheSpec
@@ -63,7 +63,7 @@ def _check_scale_device(tensor: torch.Tensor, spec: CacheSpec) -> None:
     """On CUDA caches, the scale format must be the one vLLM writes on the caches' own device."""
     if tensor.is_cuda:
         major, minor = torch.cuda.get_device_capability(tensor.device)
-        vllm_indexer_scale_format("cuda", (major, minor), spec.indexer.scale_format)
+        indexer_scale_format("vllm", "cuda", (major, minor), spec.indexer.scale_format)
 
 
 def regions_from_kv_caches(kv_caches: dict[str, torch.Tensor], spec: CacheSpec, block_size: int) -> list[Region]:

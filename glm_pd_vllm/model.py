@@ -9,7 +9,7 @@ from dataclasses import replace
 from vllm.config import VllmConfig
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.layout.cache_dtypes import row_format_for, vllm_indexer_scale_format
+from glm_pd_common.layout.cache_dtypes import indexer_scale_format, row_format_for
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.shards import Sharding
 from glm_pd_common.layout.spec import CacheSpec
@@ -28,7 +28,7 @@ def cache_spec(vllm_config: VllmConfig, config: GlmPdVllmConfig) -> CacheSpec:
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     backend = attention_backend(vllm_config)
     platform, capability = device_of(vllm_config)
-    scale_format = vllm_indexer_scale_format(platform, capability, config.indexer_scale_format)
+    scale_format = indexer_scale_format("vllm", platform, capability, config.indexer_scale_format)
     where = f"CUDA SM{capability[0]}{capability[1]}" if capability else platform
     origin = f"vLLM cache dtype {cache_dtype!r} under {backend or 'its default backend'} on {where}"
     return CacheSpec.create(geometry, row_format_for("vllm", cache_dtype, backend), scale_format, origin=origin)

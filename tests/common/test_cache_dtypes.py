@@ -13,9 +13,9 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.cache_dtypes import (
     ENGINES,
     accepted_cache_dtypes,
+    indexer_scale_format,
     row_format_for,
     row_formats_by_backend,
-    vllm_indexer_scale_format,
 )
 from glm_pd_common.layout.formats import main_row_format
 from glm_pd_common.layout.geometry import ModelGeometry
@@ -141,29 +141,44 @@ def test_an_unknown_name_is_refused_whatever_the_backend() -> None:
 
 
 @pytest.mark.parametrize(
-    ("platform", "capability", "scale"),
+    ("engine", "platform", "capability", "scale"),
     [
-        ("cuda", (9, 0), "fp32"),  # H100 / H200
-        ("cuda", (10, 0), "ue8m0x4"),  # B200
-        ("cuda", (10, 3), "ue8m0x4"),  # B300: the SM10x family
-        ("cuda", (12, 0), "fp32"),  # SM120 is not in vLLM's MX-scale family
-        ("cpu", None, "fp32"),
+        ("vllm", "cuda", (9, 0), "fp32"),  # H100 / H200
+        ("vllm", "cuda", (10, 0), "ue8m0x4"),  # B200
+        ("vllm", "cuda", (10, 3), "ue8m0x4"),  # B300: the SM10x family
+        ("vllm", "cuda", (12, 0), "fp32"),  # SM120 is not in vLLM's MX-scale family
+        ("vllm", "cpu", None, "fp32"),
+        ("sglang", "cuda", (9, 0), "fp32"),
+        ("sglang", "cuda", (10, 0), "fp32"),  # SGLang's indexer writers store fp32 on every SM
+        ("sglang", "cuda", (12, 0), "fp32"),
+        ("sglang", "cpu", None, "fp32"),
     ],
 )
-def test_vllm_indexer_scale_format_by_device(platform: str, capability, scale: str) -> None:
-    assert vllm_indexer_scale_format(platform, capability) == scale
-    assert vllm_indexer_scale_format(platform, capability, scale) == scale
+def test_indexer_scale_format_by_engine_and_device(engine: str, platform: str, capability, scale: str) -> None:
+    assert indexer_scale_format(engine, platform, capability) == scale
+    assert indexer_scale_format(engine, platform, capability, scale) == scale
 
 
 @pytest.mark.parametrize(
-    ("capability", "configured", "written"), [((9, 0), "ue8m0x4", "fp32"), ((10, 0), "fp32", "ue8m0x4")]
+    ("engine", "capability", "configured", "written"),
+    [
+        ("vllm", (9, 0), "ue8m0x4", "fp32"),
+        ("vllm", (10, 0), "fp32", "ue8m0x4"),
+        ("sglang", (10, 0), "ue8m0x4", "fp32"),
+    ],
 )
-def test_a_configured_scale_format_the_device_contradicts_names_both(capability, configured: str, written: str) -> None:
-    with pytest.raises(ConfigError, match=rf"configured '{configured}', but vLLM writes '{written}'"):
-        vllm_indexer_scale_format("cuda", capability, configured)
+def test_a_configured_scale_format_the_device_contradicts_names_both(
+    engine: str, capability, configured: str, written: str
+) -> None:
+    name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
+    with pytest.raises(ConfigError, match=rf"configured '{configured}', but {name} writes '{written}'"):
+        indexer_scale_format(engine, "cuda", capability, configured)
 
 
-@pytest.mark.parametrize(("platform", "capability", "needle"), [("rocm", None, "'rocm'"), ("cuda", None, "capability")])
-def test_devices_glm_pd_cannot_read_are_refused(platform: str, capability, needle: str) -> None:
+@pytest.mark.parametrize(
+    ("engine", "platform", "capability", "needle"),
+    [("vllm", "rocm", None, "'rocm'"), ("vllm", "cuda", None, "capability"), ("trtllm", "cuda", (9, 0), "'trtllm'")],
+)
+def test_unknown_devices_and_engines_are_refused(engine: str, platform: str, capability, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
-        vllm_indexer_scale_format(platform, capability)
+        indexer_scale_format(engine, platform, capability)

@@ -89,15 +89,26 @@ def test_bad_requests_fail_cleanly_and_the_next_one_works(pair) -> None:
 
 
 @pytest.mark.parametrize(
-    ("decode_env", "row", "fields"),
+    ("prefill_env", "decode_env", "row", "fields"),
     [
-        ({"SGLANG_GLM_PD_INDEXER_SCALE_FORMAT": "ue8m0x4"}, 656, ["indexer_scale_format: prefill='fp32'", "'ue8m0x4'"]),
-        ({}, 576, ["main_row_bytes: prefill=656", "=576", "main_row_format"]),
+        (
+            {"SGLANG_GLM_PD_MODEL_REVISION": "r1"},
+            {"SGLANG_GLM_PD_MODEL_REVISION": "r2"},
+            656,
+            ["model_revision: prefill='r1'", "'r2'"],
+        ),
+        ({}, {}, 576, ["main_row_bytes: prefill=656", "=576", "main_row_format"]),
     ],
 )
-def test_layout_mismatch_is_refused_at_registration(pair, decode_env: dict, row: int, fields: list[str]) -> None:
-    """SGLang compares neither item lengths nor scale formats; glm-pd refuses both, naming field and values."""
-    prefill, decode = pair.run([{"room": 41, "tokens": 300}], decode_env=decode_env, decode_row_bytes=row)
+def test_layout_mismatch_is_refused_at_registration(
+    pair, prefill_env: dict, decode_env: dict, row: int, fields: list[str]
+) -> None:
+    """SGLang compares neither item lengths nor checkpoint revisions; glm-pd refuses both, naming field and
+    values. (Indexer scale formats cannot differ here: SGLang writes fp32 on every device, and a configured
+    value the device contradicts stops the rank at start, ``test_devices``.)"""
+    prefill, decode = pair.run(
+        [{"room": 41, "tokens": 300}], prefill_env=prefill_env, decode_env=decode_env, decode_row_bytes=row
+    )
     assert decode["results"][0]["states"] == [FAILED] and prefill["results"][0]["states"] == [FAILED]
     for reason in (decode["results"][0]["reasons"][0], prefill["results"][0]["reasons"][0], decode["refusals"][0]["0"]):
         assert "at registration" in reason

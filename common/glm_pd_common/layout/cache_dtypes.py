@@ -67,27 +67,42 @@ def row_format_for(engine: str, cache_dtype: str, backend: str | None = None) ->
     return rows.get(backend, rows[None])
 
 
-def vllm_indexer_scale_format(platform: str, capability: tuple[int, int] | None, configured: str = "") -> str:
-    """The indexer scale encoding vLLM 0.33 writes on a device, confirmed against a configured value.
+# The CUDA SM majors on which an engine's DSA indexer stores a token's power-of-two scale as four equal UE8M0
+# bytes; on every other CUDA device, and on CPU, it stores one fp32.
+_UE8M0_SM_MAJORS: dict[str, tuple[int, ...]] = {
+    # vLLM 0.33: exactly where its MQA-logits kernels take MX scales (utils/deep_gemm.py, mqa_logits_use_mx_scales).
+    "vllm": (10,),
+    # SGLang 0.5.23: none. Its fused indexer-K writers (jit/csrc/deepseek_v32/indexer_k.cuh,
+    # jit/csrc/dsa/fused_store_index_cache.cuh) and the fallback behind set_index_k_scale_buffer store an fp32
+    # scale whatever the SM, and its paged MQA-logits call reads them as such.
+    "sglang": (),
+}
+_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
-    vLLM packs each token's power-of-two scale as four equal UE8M0 bytes exactly where its MQA-logits kernels
-    take MX scales: CUDA devices of the SM10x family (``utils/deep_gemm.py``, ``mqa_logits_use_mx_scales``);
-    SM90, SM12x and the CPU path store fp32. A configured value that contradicts the device is refused: the
-    fingerprint would then promise bytes this rank does not hold. ``platform`` is ``cuda``, ``cpu`` or what
-    else the engine runs on (refused: glm-pd does not know the indexer bytes there).
+
+def indexer_scale_format(engine: str, platform: str, capability: tuple[int, int] | None, configured: str = "") -> str:
+    """The indexer scale encoding ``engine`` writes on a device, confirmed against a configured value.
+
+    The engines differ (vLLM packs UE8M0 bytes on SM10x, SGLang never does), so the rule is the engine's, read
+    from the device rather than trusted from a setting. A configured value that contradicts the device is
+    refused: the fingerprint would then promise bytes this rank does not hold. ``platform`` is ``cuda``,
+    ``cpu`` or what else the engine runs on (refused: glm-pd does not know the indexer bytes there).
     """
+    if engine not in _UE8M0_SM_MAJORS:
+        raise ConfigError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+    name = _ENGINE_NAMES[engine]
     if platform == "cuda":
         if capability is None:
-            raise ConfigError("cannot read the CUDA device capability, which decides vLLM's indexer scale format")
-        detected = "ue8m0x4" if capability[0] == 10 else "fp32"
+            raise ConfigError(f"cannot read the CUDA device capability, which decides {name}'s indexer scale format")
+        detected = "ue8m0x4" if capability[0] in _UE8M0_SM_MAJORS[engine] else "fp32"
         device = f"CUDA SM{capability[0]}{capability[1]}"
     elif platform == "cpu":
         detected, device = "fp32", "CPU"
     else:
-        raise ConfigError(f"glm-pd knows the indexer bytes vLLM writes on CUDA and CPU devices, not on {platform!r}")
+        raise ConfigError(f"glm-pd knows the indexer bytes {name} writes on CUDA and CPU devices, not on {platform!r}")
     if configured and configured != detected:
         raise ConfigError(
-            f"indexer_scale_format is configured {configured!r}, but vLLM writes {detected!r} indexer scales on "
+            f"indexer_scale_format is configured {configured!r}, but {name} writes {detected!r} indexer scales on "
             f"this device ({device}); leave it unset or set it to {detected!r}"
         )
     return detected

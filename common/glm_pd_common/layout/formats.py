@@ -17,7 +17,7 @@ from glm_pd_common.errors import ConfigError
 
 FP8_TILE = 128  # fp8_ds_mla quantizes the latent in tiles of 128 values, one fp32 scale per tile
 INDEXER_SCALE_BYTES = 4
-INDEXER_SCALE_FORMATS = ("fp32", "ue8m0x4")  # SM90 power-of-two fp32; SM100 four identical UE8M0 bytes
+INDEXER_SCALE_FORMATS = ("fp32", "ue8m0x4")  # one fp32 per token; four identical UE8M0 bytes (cache_dtypes)
 SUPPORTED_PAGE_TOKENS = (16, 32, 64, 128)
 
 
