@@ -234,10 +234,9 @@ def test_the_adapter_moves_each_rank_its_tokens_over_nixl(model_config, sm90, sl
                 worker = GlmPdWorker(_rank_config(b, rank, role), config, b.spec, engine)
                 worker.register_kv_caches(b.caches)
                 workers.append(worker)
-        for worker in workers[:TP]:
-            worker.start_load_kv(p_meta)
-        for worker in workers[TP:]:
-            worker.start_load_kv(d_meta)
+        for worker, meta in [(w, p_meta) for w in workers[:TP]] + [(w, d_meta) for w in workers[TP:]]:
+            worker.bind(meta)  # vLLM's order: the step's metadata is bound, then the loads start
+            worker.start_load_kv(meta)
         loaded = [_outcome(w, "recv") for w in workers[TP:]]
         assert all(r == ({"req-1"}, set()) for r in loaded), loaded
         freed = [_outcome(w, "send") for w in workers[:TP]]
