@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import msgspec
 
+from glm_pd_common.decoding import decode_as
 from glm_pd_common.errors import ProtocolError
 from glm_pd_common.handoff.wire.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 
@@ -91,13 +92,7 @@ def parse(msg: list[bytes], kind: type[T]) -> T:
         raise ProtocolError(f"{tag!r} message has {len(msg)} frames, expected 2")
     if len(msg[1]) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{tag!r} message of {len(msg[1])} bytes exceeds the cap of {MAX_MESSAGE_BYTES}")
-    try:
-        version = msgspec.msgpack.decode(msg[1], type=_Header).v
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed {tag!r} message (no protocol version): {exc}") from exc
+    version = decode_as(msg[1], _Header, f"{tag!r} message (no protocol version)").v
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"{tag!r} message has protocol version {version}; this peer speaks {PROTOCOL_VERSION}")
-    try:
-        return msgspec.msgpack.decode(msg[1], type=kind)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed {tag!r} message: {exc}") from exc
+    return decode_as(msg[1], kind, f"{tag!r} message")

@@ -139,16 +139,17 @@ def test_corrupted_encodings_are_well_typed_or_refused(small_spec, data) -> None
     decode_or_refuse(bytes(raw))
 
 
-def test_size_cap_is_exact_and_checked_before_parsing() -> None:
+def test_size_cap_is_exact_and_checked_before_parsing(small_spec) -> None:
     """MAX_MESSAGE_BYTES is a hard edge: a valid message one byte over it is refused, one at it decodes."""
+    hello = samples(small_spec)[0]
 
-    def failed(n: int) -> bytes:
-        return proto.encode(proto.Failed(v=PROTOCOL_VERSION, request_id="y" * n, reason=""))
+    def padded(n: int) -> bytes:  # the transport metadata is the one field without a length of its own
+        return proto.encode(msgspec.structs.replace(hello, agent_metadata=b"y" * n))
 
-    overhead = len(failed(1 << 16)) - (1 << 16)  # past 64 KiB a str header has a fixed size
-    at_cap, over = failed(proto.MAX_MESSAGE_BYTES - overhead), failed(proto.MAX_MESSAGE_BYTES - overhead + 1)
+    overhead = len(padded(1 << 16)) - (1 << 16)  # past 64 KiB a bin header has a fixed size
+    at_cap, over = padded(proto.MAX_MESSAGE_BYTES - overhead), padded(proto.MAX_MESSAGE_BYTES - overhead + 1)
     assert (len(at_cap), len(over)) == (proto.MAX_MESSAGE_BYTES, proto.MAX_MESSAGE_BYTES + 1)
-    assert isinstance(proto.decode(at_cap), proto.Failed)
+    assert isinstance(proto.decode(at_cap), proto.Hello)
     with pytest.raises(ProtocolError, match=f"{len(over)} bytes exceeds the cap of {proto.MAX_MESSAGE_BYTES}"):
         proto.decode(over)
 

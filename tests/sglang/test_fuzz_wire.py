@@ -162,6 +162,15 @@ def test_another_protocol_version_is_refused_naming_both(tag, version) -> None:
 
 
 @pytest.mark.parametrize("tag", sorted(MESSAGES))
+def test_a_payload_nested_past_the_stack_is_refused(tag) -> None:
+    """A few KB nested 100,000 arrays deep makes msgspec raise RecursionError: a ProtocolError like any bad shape,
+    or the listener that parses it would take it for a bug."""
+    payload = b"\x82\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa1x" + b"\x91" * 100_000 + b"\xc0"
+    with pytest.raises(ProtocolError, match="undecodable"):
+        wire.parse([tag, payload], MESSAGES[tag])
+
+
+@pytest.mark.parametrize("tag", sorted(MESSAGES))
 def test_a_payload_without_a_version_is_refused(tag) -> None:
     """What an unversioned (older) peer sends: refused as having no protocol version, not decoded."""
     fields = msgspec.structs.asdict(_samples()[tag])

@@ -14,6 +14,7 @@ from typing import TypeVar
 import numpy as np
 
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.service import Finished, PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape
@@ -58,6 +59,7 @@ class Prefill:
         idle_s: float = 1.0,
         streamed: bool = False,
         on_thread: ThreadSetup = host_only,
+        caps: PeerCaps = DEFAULT_CAPS,
     ) -> None:
         self.caches, local = endpoint(spec, "prefill-0", timeout_s)
         self.local = replace(local, on_thread=on_thread)
@@ -71,6 +73,7 @@ class Prefill:
             timeout_s=timeout_s,
             peer_idle_s=idle_s,
             streamed=streamed,
+            caps=caps,
         )
         self.remote = RemotePrefill("prefill-0", "127.0.0.1", self.service.port, 1)
         self.ended: list[Finished] = []

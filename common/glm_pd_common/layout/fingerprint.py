@@ -8,6 +8,8 @@ message is checked against it before this is read.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 import xxhash
 
@@ -20,23 +22,24 @@ from glm_pd_common.layout.tp import SUPPORTED_TP
 
 # The meaning of the fields below: bump when the same field values would lay bytes out differently.
 LAYOUT_VERSION = 1
+Text = Annotated[str, msgspec.Meta(max_length=256)]  # a peer's fingerprint is remote input, shown in refusals
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout_version: int
-    model_type: str
+    model_type: Text
     num_layers: int
     full_indexer_layers: tuple[int, ...]
     mtp_layers: tuple[int, ...]
     kv_lora_rank: int
     qk_rope_head_dim: int
-    cache_dtype: str
-    main_row_format: str
+    cache_dtype: Text
+    main_row_format: Text
     main_row_bytes: int
     indexer_head_dim: int
     indexer_row_bytes: int
-    indexer_scale_format: str
-    model_revision: str | None = None
+    indexer_scale_format: Text
+    model_revision: Text | None = None
 
     def digest(self) -> str:
         """xxh3-64 of the canonical msgpack encoding (field order is the struct's, so it is stable)."""

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from glm_pd_common.decoding import decode_as
 from glm_pd_common.errors import ConfigError, ProtocolError, TransferFailed
 from glm_pd_common.layout.plan import RegionRuns, TransferPlan
 from glm_pd_common.layout.regions import Region
@@ -222,10 +223,7 @@ class Transport(abc.ABC):
 
     def add_peer(self, metadata: bytes, regions: Sequence[Span]) -> str:
         """Load a peer from its framed metadata and the regions it announced; returns its agent name."""
-        try:
-            blob = msgspec.msgpack.decode(metadata, type=_Blob)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"{self.backend}: peer metadata is corrupted or truncated: {exc}") from exc
+        blob = decode_as(metadata, _Blob, f"{self.backend} peer metadata (corrupted or truncated)")
         if blob.backend != self.backend:
             raise ProtocolError(f"peer speaks transport {blob.backend!r}; this agent uses {self.backend!r}")
         if xxhash.xxh3_64_intdigest(blob.payload) != blob.digest:

@@ -460,7 +460,8 @@ class DecodeService:
                 except GlmPdError as exc:
                     logger.warning("glm-pd decode: prefill rank %d not told to drop %s: %s", rank, request_id, exc)
             if peer is not None:
-                peer.client.send(protocol.Abort(v=PROTOCOL_VERSION, request_id=request_id, reason=reason[:500]))
+                abort = protocol.Abort(v=PROTOCOL_VERSION, request_id=request_id, reason=protocol.clip(reason))
+                peer.client.send(abort)
 
     def _heartbeat(self, lane: int) -> None:
         """Tell this lane's prefill peers we are alive (an idle connection looks like a gone one)."""

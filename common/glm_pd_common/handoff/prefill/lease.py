@@ -190,6 +190,16 @@ class LeaseTable:
             lease = self._leases[request_id] = self._unheld[request_id] = Lease(request_id)
         lease.waiting.setdefault(ident, (msg, self._clock() + bound_s))
 
+    def waiting_load(self, ident: bytes) -> tuple[int, int]:
+        """(messages ``ident`` keeps waiting, page ids every waiting claim holds): what prefill's caps bound."""
+        mine = pages = 0
+        for lease in self._unheld.values():
+            for who, (msg, _) in lease.waiting.items():
+                mine += who == ident
+                if isinstance(msg, protocol.TransferRequest):
+                    pages += len(msg.src_pages) + len(msg.dst_pages)
+        return mine, pages
+
     def expect(self, request_id: str, releases: int) -> None:
         """Set how many decode ranks will confirm, once (the first decode rank to speak knows the TP shape)."""
         lease = self._leases.get(request_id)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm_pd_common.errors import GlmPdError, LeaseExpired, PlanError, ProtocolError
+from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.clock import ServiceClock
 from glm_pd_common.handoff.prefill.lease import Lease, LeaseState, LeaseTable
 from glm_pd_common.handoff.prefill.ready import ReadyEvent
@@ -58,6 +59,7 @@ from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan
 logger = logging.getLogger(__name__)
 
 _QUEUED_PER_TURN = 256  # messages answered before expiry each turn; more wait a turn (grants are not starved)
+_REFUSALS_LOG_S = 1.0  # undecodable messages are logged at most this often, with their count
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,10 @@ class PrefillService:
         timeout_s: float,
         peer_idle_s: float | None = None,
         streamed: bool = False,
+        caps: PeerCaps = DEFAULT_CAPS,
     ) -> None:
         self.local = local
+        self.caps = caps
         self.streamed = streamed
         self.timeout_s = timeout_s
         # Past this silence a decode is gone: a live one heartbeats while idle and claims within a lease. Three
@@ -108,6 +112,7 @@ class PrefillService:
             peer_idle_s = max(lease_s + timeout_s, 3 * protocol.HEARTBEAT_S)
         self.peer_idle_s = peer_idle_s
         self._next_idle_check = 0.0
+        self._refusals, self._next_refusal_log = 0, 0.0  # undecodable messages not yet logged
         self._clock = ServiceClock()
         self.server = SideChannelServer(host, port)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)  # one per lease
@@ -216,7 +221,7 @@ class PrefillService:
         except SideChannelTimeout:
             return False
         except GlmPdError as exc:
-            logger.warning("glm-pd prefill: refused a side-channel message: %s", exc)
+            self._refused(exc)
             return True
         finally:
             self._clock.checkpoint()
@@ -224,6 +229,14 @@ class PrefillService:
             self._decodes[ident].last_seen = self._clock.now()
         self._dispatch(ident, msg)
         return True
+
+    def _refused(self, exc: GlmPdError) -> None:
+        """Log undecodable messages at most once per ``_REFUSALS_LOG_S``, counted: a flood is one line a second."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now >= self._next_refusal_log:
+            logger.warning("glm-pd prefill: refused %d side-channel message(s), the latest: %s", self._refusals, exc)
+            self._refusals, self._next_refusal_log = 0, now + _REFUSALS_LOG_S
 
     def _dispatch(self, ident: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Query):
@@ -239,10 +252,7 @@ class PrefillService:
         elif isinstance(msg, protocol.TransferRequest):
             self._on_claim(ident, msg)
         elif isinstance(msg, protocol.Subscribe):
-            if self.streamed:
-                self._send_all(self._streams.subscribe(ident, msg))
-            else:
-                self._fail(ident, msg.request_id, "this prefill runs without streamed transfers", "refused_peer")
+            self._on_subscribe(ident, msg)
         elif isinstance(msg, protocol.Done):
             self._on_done(ident, msg)
         elif isinstance(msg, protocol.Abort):
@@ -254,13 +264,33 @@ class PrefillService:
             pages = {i: page_digests(plan, i, "src", self.local.memory) for i in wanted} if plan is not None else {}
             self.server.send(ident, protocol.PageDigests(v=PROTOCOL_VERSION, request_id=msg.request_id, pages=pages))
 
+    def _on_subscribe(self, ident: bytes, msg: protocol.Subscribe) -> None:
+        if not self.streamed:
+            self._fail(ident, msg.request_id, "this prefill runs without streamed transfers", "refused_peer")
+        elif (
+            self._streams.subscriptions() >= self.caps.subscriptions
+            and not self._streams.subscribed(ident, msg.request_id)
+        ):
+            why = f"prefill serves at most {self.caps.subscriptions} streamed subscriptions at once"
+            self._fail(ident, msg.request_id, why, "refused_peer")
+        else:
+            self._send_all(self._streams.subscribe(ident, msg))
+
     def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
         t0 = time.monotonic()
-        self._forget(ident, "it said hello again")
-        try:
+        if ident not in self._decodes and len(self._decodes) >= self.caps.peers:
+            self._fail(ident, "", f"prefill serves at most {self.caps.peers} decode peers at once", "refused_peer")
+            return
+        try:  # a hello that fails its checks evicts nobody
             peer = accept_hello(
                 self.local.spec, msg, backend=self.local.transport.backend, role="decode", local_role="prefill"
             )
+        except GlmPdError as exc:
+            logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
+            self._fail(ident, "", str(exc), "refused_peer")
+            return
+        self._forget(ident, "it said hello again")
+        try:
             for other in [d.identity for d in self._decodes.values() if d.agent == peer.agent_name]:
                 self._forget(other, "its agent said hello on a new connection (a restart or a re-handshake)")
             agent = self.local.transport.add_peer(peer.agent_metadata, peer.spans)
@@ -337,18 +367,17 @@ class PrefillService:
             code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
             self._fail(ident, msg.request_id, f"prefill's lease on this request already ended: {ended}", code)
             return
-        if self._leases.held(msg.request_id) is None:
+        held = self._leases.held(msg.request_id)
+        if held is None:
             # decode can ask before the engine hands the finished request over (or before the GPU finished
             # writing its pages): the claim waits a while
-            self._leases.wait(msg.request_id, ident, msg, self.timeout_s)
+            self._wait(ident, msg, len(msg.src_pages) + len(msg.dst_pages))
             return
         decode = self._decodes[ident]
         try:
-            self._leases.expect(msg.request_id, self._releases_from(decode))
-            lease = self._leases.claim(msg.request_id, by=ident)
             source, theirs = self._serves(decode)
             own = suffix_pages(
-                lease.pages,
+                held.pages,
                 msg.num_tokens,
                 msg.prefix_tokens,
                 source.shard.table_tokens(self.local.shape.page_tokens),
@@ -367,6 +396,9 @@ class PrefillService:
                 dst_shard=theirs,
                 layers=source.layers,
             )
+            # Only a claim for the pages the lease holds moves it: a wrong one is refused and changes nothing.
+            self._leases.expect(msg.request_id, self._releases_from(decode))
+            self._leases.claim(msg.request_id, by=ident)
         except GlmPdError as exc:
             code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
             self._fail(ident, msg.request_id, str(exc), code)
@@ -383,11 +415,23 @@ class PrefillService:
             protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id, digests=digests),
         )
 
+    def _wait(self, ident: bytes, msg: protocol.TransferRequest | protocol.Done, pages: int) -> None:
+        """Keep a message that came before its grant, within the caps (refused by name past them, kept never)."""
+        mine, held = self._leases.waiting_load(ident)
+        if mine >= self.caps.early_claims or held + pages > self.caps.early_pages:
+            why = (
+                f"prefill keeps at most {self.caps.early_claims} claims per decode, and {self.caps.early_pages} "
+                f"page ids in all, waiting for their grants (this decode has {mine}, all hold {held})"
+            )
+            self._fail(ident, msg.request_id, why, "refused_peer")
+            return
+        self._leases.wait(msg.request_id, ident, msg, self.timeout_s)
+
     def _on_done(self, ident: bytes, msg: protocol.Done) -> None:
         if msg.request_id not in self._leases.ended and self._leases.held(msg.request_id) is None:
             # a decode that needs no bytes (its whole prompt hit, or vLLM skipped the read) confirms at once,
             # possibly before the engine hands the finished request over: it waits as a claim does
-            self._leases.wait(msg.request_id, ident, msg, self.timeout_s)
+            self._wait(ident, msg, 0)
             return
         # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
         self._leases.expect(msg.request_id, self._releases_from(self._decodes[ident]))
@@ -443,7 +487,8 @@ class PrefillService:
         return expected_releases(self.local.shape.tp_rank, *self._layouts(decode))
 
     def _fail(self, ident: bytes, request_id: str, reason: str, code: FailureCode) -> None:
-        self.server.send(ident, protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=reason, code=code))
+        failed = protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=protocol.clip(reason), code=code)
+        self.server.send(ident, failed)
 
     def _end(self, request_id: str, outcome: str, why: str, *, tell_waiting: FailureCode | None = None) -> None:
         """End a lease whatever its state (an id never granted: only what waited for it goes). ``tell_waiting``:

@@ -157,6 +157,13 @@ class StreamTable:
             self._streams.pop(transfer_id, None)
             self._remember(transfer_id, "its lease ended")
 
+    def subscriptions(self) -> int:
+        return sum(len(stream.subscribers) for stream in self._streams.values())
+
+    def subscribed(self, ident: bytes, transfer_id: str) -> bool:
+        stream = self._streams.get(transfer_id)
+        return stream is not None and ident in stream.subscribers
+
     def drop_subscriber(self, ident: bytes) -> None:
         for stream in self._streams.values():
             stream.subscribers.pop(ident, None)
@@ -198,4 +205,4 @@ class StreamTable:
 
 
 def _failed(transfer_id: str, why: str) -> protocol.Failed:
-    return protocol.Failed(v=PROTOCOL_VERSION, request_id=transfer_id, reason=why, code="aborted")
+    return protocol.Failed(v=PROTOCOL_VERSION, request_id=transfer_id, reason=protocol.clip(why), code="aborted")

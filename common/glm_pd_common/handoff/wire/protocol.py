@@ -28,6 +28,7 @@ from typing import Annotated, Literal, Union, get_args
 
 import msgspec
 
+from glm_pd_common.decoding import decode_as
 from glm_pd_common.errors import ConfigError, ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.pages import INT64_MAX
@@ -47,6 +48,12 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anythin
 # Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
 PageId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Digest = Annotated[int, msgspec.Meta(ge=0)]  # xxh3-64: msgpack caps it at 2**64 - 1
+# Text a peer sends is bounded by its type, so no remote string is held, logged or echoed past these lengths.
+MAX_ID_CHARS = 512  # request, lease, transfer, engine and agent ids (vLLM's params already cap ids at 256)
+MAX_REASON_CHARS = 2048
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
+Name = Annotated[str, msgspec.Meta(max_length=64)]  # region kinds, memory kinds, transport names
 MAX_RENEW_IDS = 4096  # request ids in one renewal; decode splits a longer list over several messages
 # Why a load failed, as decode reports it; prefill's ``failed`` names one too (the ones it can know).
 FailureCode = Literal[
@@ -60,37 +67,37 @@ class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen
 
 
 class RegionSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    kind: str
+    kind: Name
     layer_id: int
     is_mtp: bool
     base_addr: int
     num_pages: int
     page_bytes: int
     page_stride: int
-    mem_kind: str = "DRAM"
+    mem_kind: Name = "DRAM"
     device_id: int = 0
 
 
 class Hello(_Base, tag="hello", frozen=True):
-    engine_id: str
+    engine_id: Id
     fingerprint: Fingerprint
     shape: PeerShape
     regions: list[RegionSummary]
-    transport: str
-    agent_name: str
+    transport: Name
+    agent_name: Id
     agent_metadata: bytes
 
 
 class Query(_Base, tag="query", frozen=True):
     """Ask a peer for its hello without becoming its peer (no transport metadata is loaded)."""
 
-    engine_id: str
+    engine_id: Id
 
 
 class TransferRequest(_Base, tag="transfer", frozen=True):
     """Decode's ask: move these tokens; ``dst_pages`` are decode's suffix pages, ``src_pages`` prefill's."""
 
-    request_id: str
+    request_id: Id
     num_tokens: int
     prefix_tokens: int
     src_pages: list[PageId]
@@ -101,39 +108,39 @@ class TransferRequest(_Base, tag="transfer", frozen=True):
 class Claimed(_Base, tag="claimed", frozen=True):
     """Prefill holds the pages until decode's done (or its timeout); ``digests`` are its per-region source digests."""
 
-    request_id: str
+    request_id: Id
     digests: list[Digest] | None = None
 
 
 class Released(_Base, tag="released", frozen=True):
     """Prefill's answer to decode's done: the pages were still held when the read finished."""
 
-    request_id: str
+    request_id: Id
 
 
 class Done(_Base, tag="done", frozen=True):
     """Decode's read finished: may prefill confirm the pages were held until now (``Released``)?"""
 
-    request_id: str
+    request_id: Id
 
 
 class Failed(_Base, tag="failed", frozen=True):
     """A refusal; ``code`` is what kind (``lease_expired``: prefill holds no live lease for the request)."""
 
-    request_id: str
-    reason: str
+    request_id: Id
+    reason: Reason
     code: FailureCode = "internal"
 
 
 class Abort(_Base, tag="abort", frozen=True):
-    request_id: str
-    reason: str
+    request_id: Id
+    reason: Reason
 
 
 class Heartbeat(_Base, tag="heartbeat", frozen=True):
     """Decode is alive (sent on an idle connection); prefill forgets a peer silent for too long."""
 
-    engine_id: str
+    engine_id: Id
     seq: int
 
 
@@ -141,13 +148,13 @@ class Renew(_Base, tag="renew", frozen=True):
     """Decode still waits for blocks for these requests: hold their unclaimed pages another lease from now.
     Unanswered; an id prefill holds no live unclaimed lease for is ignored (an expired lease stays expired)."""
 
-    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_RENEW_IDS)]
+    request_ids: Annotated[list[Id], msgspec.Meta(max_length=MAX_RENEW_IDS)]
 
 
 class Subscribe(_Base, tag="subscribe", frozen=True):
     """Decode holds blocks for a streamed transfer: send its ``progress`` as prefill computes it."""
 
-    request_id: str  # the transfer id the router gave both legs
+    request_id: Id  # the transfer id the router gave both legs
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]  # decode's prompt length; prefill's must match
 
 
@@ -156,21 +163,21 @@ class Progress(_Base, tag="progress", frozen=True):
     table entries from index ``first_page`` on (what this subscriber has not been sent yet). ``lease_id`` is
     set once the request finished: its pages are leased under that id, and ``pages`` is the whole table."""
 
-    request_id: str
+    request_id: Id
     num_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # prefill's prompt length, 0 if not known yet
     ready_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
     first_page: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
     pages: list[PageId]
-    lease_id: str = ""
+    lease_id: Id = ""
 
 
 class DigestQuery(_Base, tag="digest_query", frozen=True):
-    request_id: str
+    request_id: Id
     region_indices: list[int]
 
 
 class PageDigests(_Base, tag="page_digests", frozen=True):
-    request_id: str
+    request_id: Id
     pages: dict[int, list[Digest]]  # region index -> one digest per destination page
 
 
@@ -193,13 +200,11 @@ Message = Union[
 
 
 class _Header(msgspec.Struct):
-    type: str
+    type: Name
     v: int
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
-_header_decoder = msgspec.msgpack.Decoder(_Header)
 
 
 def encode(message: Message) -> bytes:
@@ -210,15 +215,14 @@ def decode(data: bytes) -> Message:
     """Decode and validate one message; refuse oversized, unknown-version or malformed input."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the cap of {MAX_MESSAGE_BYTES}")
-    try:
-        header = _header_decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"message has no valid header (type, v): {exc}") from exc
+    header = decode_as(data, _Header, "message header (type, v)")
     if header.v != PROTOCOL_VERSION:
         raise ProtocolError(
             f"message {header.type!r} has protocol version {header.v}; this peer speaks {PROTOCOL_VERSION}"
         )
-    try:
-        return _decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed {header.type!r} message: {exc}") from exc
+    return decode_as(data, Message, f"{header.type!r} message")  # type: ignore[arg-type]
+
+
+def clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (marked), for what the wire carries and what logs show."""
+    return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"

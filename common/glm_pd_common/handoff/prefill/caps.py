@@ -1,0 +1,28 @@
+"""What remote peers can make prefill hold, each bounded before anything is kept.
+
+A claim that arrives before its grant, a subscription before its transfer opens and a decode's handshake are
+all kept on a peer's word: without a bound, four 16 MB claims for ids never granted pinned 500 MB for a whole
+timeout. Past a cap the message is refused by name and nothing is kept; a live request is never evicted for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glm_pd_common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PeerCaps:
+    peers: int = 1024  # decode ranks handshaken at once (a cluster's decode ranks, with room for restarts)
+    early_claims: int = 256  # claims and confirmations one decode keeps waiting for grants
+    early_pages: int = 1 << 21  # page ids all waiting claims hold together (a 1M-token claim carries ~32k)
+    subscriptions: int = 16384  # streamed subscriptions, all decodes together
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ConfigError(f"prefill's cap on {name} must be at least 1, got {value}")
+
+
+DEFAULT_CAPS = PeerCaps()
