@@ -215,7 +215,7 @@ def decode(data: bytes) -> Message:
     """Decode and validate one message; refuse oversized, unknown-version or malformed input."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the cap of {MAX_MESSAGE_BYTES}")
-    header = decode_as(data, _Header, "message header (type, v)")
+    header = decode_as(data, _Header, "message (no valid header: type, v)")
     if header.v != PROTOCOL_VERSION:
         raise ProtocolError(
             f"message {header.type!r} has protocol version {header.v}; this peer speaks {PROTOCOL_VERSION}"
