@@ -28,6 +28,8 @@ class GlmPdVllmConfig:
     indexer_scale_format: str = ""  # empty: what vLLM writes on the device; fp32 (SM90, CPU) | ue8m0x4 (SM10x)
     model_revision: str = ""  # checked between peers when both set it
     streamed: bool = False  # prefill announces each step's blocks; decode reads while prefill runs (README)
+    credential: str = ""  # the deployment's key: a *.key_secret file (`glm-pd keygen`) or env:NAME; needed off loopback
+    insecure: bool = False  # run the side channel unauthenticated off loopback (anyone reaching it can touch the KV)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, env: Mapping[str, str] | None = None) -> GlmPdVllmConfig:

@@ -21,6 +21,7 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob
 from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
+from glm_pd_common.handoff.wire.trust import Trust
 from glm_pd_common.layout.fingerprint import PeerShape, check_shape
 from glm_pd_common.layout.pages import block_pages
 from glm_pd_common.layout.spec import CacheSpec
@@ -112,6 +113,7 @@ class GlmPdWorker:
             shape,
             reader_for((r.mem_kind for r in regions), torch),
             thread_device(regions, torch),
+            Trust.from_settings(self.config.credential, self.config.insecure),
         )
         if self.is_producer:
             self.prefill = PrefillService(

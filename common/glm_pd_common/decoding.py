@@ -27,4 +27,3 @@ def decode_as(data: bytes, kind: type[T], what: str) -> T:
     except (RecursionError, MemoryError, OverflowError, ValueError) as exc:
         raise ProtocolError(f"undecodable {what}: {type(exc).__name__}") from exc
     return decoded
-

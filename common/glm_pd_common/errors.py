@@ -39,6 +39,10 @@ class ProtocolError(GlmPdError, ValueError):
     """A wire message has an unknown version, the wrong shape or the wrong size."""
 
 
+class AuthenticationFailed(GlmPdError):
+    """A peer did not complete the authenticated handshake: it lacks the deployment's credential, or we do."""
+
+
 class TransferFailed(GlmPdError):
     """A transport operation failed; the message says which peer, region and operation."""
 

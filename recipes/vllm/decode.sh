@@ -2,6 +2,7 @@
 # GLM-5.3-FP8 decode instance on one 8xH200 node (or two 8xH100 nodes), GlmPdConnector as kv_consumer.
 # Decode reads each request's suffix from the prefill address that arrives in its kv_transfer_params.
 set -euo pipefail
+: "${GLM_PD_CREDENTIAL:?the deployment key file from glm-pd keygen DIR (its .key_secret), the same on every node}"
 MODEL=${MODEL:-zai-org/GLM-5.3-FP8}
 PORT=${PORT:-8200}
 VLLM=${VLLM:-vllm}
@@ -28,5 +29,6 @@ exec "$VLLM" serve "$MODEL" \
   --gpu-memory-utilization 0.92 \
   --enable-prefix-caching \
   --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' \
-  --kv-transfer-config '{"kv_connector": "GlmPdConnector", "kv_connector_module_path": "glm_pd_vllm.connector",
-    "kv_role": "kv_consumer", "kv_connector_extra_config": {"transport": "nixl", "timeout_s": 60}}'
+  --kv-transfer-config "{\"kv_connector\": \"GlmPdConnector\", \"kv_connector_module_path\": \"glm_pd_vllm.connector\",
+    \"kv_role\": \"kv_consumer\", \"kv_connector_extra_config\": {\"credential\": \"$GLM_PD_CREDENTIAL\",
+    \"transport\": \"nixl\", \"timeout_s\": 60}}"

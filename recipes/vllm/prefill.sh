@@ -3,6 +3,7 @@
 # One per prefill node (1P1D: one node; xPyD: one per prefill node, each with its own NODE_IP).
 set -euo pipefail
 : "${NODE_IP:?the address of this node on the RDMA network, published to decode for the side channel}"
+: "${GLM_PD_CREDENTIAL:?the deployment key file from glm-pd keygen DIR (its .key_secret), the same on every node}"
 MODEL=${MODEL:-zai-org/GLM-5.3-FP8}
 PORT=${PORT:-8100}
 SIDE_CHANNEL_PORT=${SIDE_CHANNEL_PORT:-5710}  # TP rank r listens on SIDE_CHANNEL_PORT + r
@@ -33,4 +34,5 @@ exec "$VLLM" serve "$MODEL" \
   --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' \
   --kv-transfer-config "{\"kv_connector\": \"GlmPdConnector\", \"kv_connector_module_path\": \"glm_pd_vllm.connector\",
     \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": {\"side_channel_host\": \"$NODE_IP\",
-    \"side_channel_port\": $SIDE_CHANNEL_PORT, \"transport\": \"nixl\", \"lease_s\": 60, \"timeout_s\": 60}}"
+    \"side_channel_port\": $SIDE_CHANNEL_PORT, \"credential\": \"$GLM_PD_CREDENTIAL\", \"transport\": \"nixl\",
+    \"lease_s\": 60, \"timeout_s\": 60}}"

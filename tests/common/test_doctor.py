@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from glm_pd_common.handoff.wire.trust import make_credential
 from glm_pd_common.tools.demo_peers import MARK
 from glm_pd_common.tools.doctor import check_ucx_path, parse_proto_info
 from glm_pd_common.transport.base import rdma_devices
@@ -52,7 +53,12 @@ def test_parse_proto_info_groups_transports_by_operation():
 
 
 @pytest.fixture
-def prefill_peer():
+def credential(tmp_path) -> str:
+    return str(make_credential(tmp_path, "site"))
+
+
+@pytest.fixture
+def prefill_peer(credential):
     job = {
         "preset": "glm-5.3",
         "kv_cache_dtype": "fp8_ds_mla",
@@ -68,6 +74,7 @@ def prefill_peer():
         "verify": False,
         "timeout_s": 20,
         "lease_s": 20,
+        "credential": credential,
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "glm_pd_common.tools.demo_peers", "prefill"],
@@ -83,10 +90,17 @@ def prefill_peer():
     proc.wait()
 
 
-def test_doctor_peer_matches_and_mismatches(prefill_peer):
-    same = {c["name"]: c for c in json.loads(doctor("--skip-probe", "--peer", prefill_peer).stdout)}
+def test_doctor_peer_matches_and_mismatches(prefill_peer, credential):
+    same = {
+        c["name"]: c
+        for c in json.loads(doctor("--skip-probe", "--peer", prefill_peer, "--credential", credential).stdout)
+    }
     assert same["peer fingerprint"]["status"] == "PASS"
-    other = json.loads(doctor("--skip-probe", "--peer", prefill_peer, "--kv-cache-dtype", "bfloat16").stdout)
+    other = json.loads(
+        doctor(
+            "--skip-probe", "--peer", prefill_peer, "--credential", credential, "--kv-cache-dtype", "bfloat16"
+        ).stdout
+    )
     bad = {c["name"]: c["detail"] for c in other if c["name"].startswith("peer fingerprint ")}
     assert bad["peer fingerprint main_row_bytes"] == "this node 1152, prefill-0 656"
     assert "peer fingerprint cache_dtype" in bad
@@ -96,3 +110,14 @@ def test_doctor_peer_unreachable_fails_bounded():
     checks = json.loads(doctor("--skip-probe", "--peer", "127.0.0.1:1").stdout)
     peer = next(c for c in checks if c["name"] == "peer")
     assert peer["status"] == "FAIL" and "no answer" in peer["detail"]
+
+
+def test_doctor_without_the_peers_credential_learns_nothing(prefill_peer, tmp_path):
+    checks = json.loads(doctor("--skip-probe", "--peer", prefill_peer).stdout)
+    peer = next(c for c in checks if c["name"] == "peer")
+    assert peer["status"] == "FAIL" and "security mechanism" in peer["detail"] and "--credential" in peer["fix"]
+    assert not any(c["name"].startswith("peer fingerprint") for c in checks)
+    foreign = str(make_credential(tmp_path / "other", "site"))
+    checks = json.loads(doctor("--skip-probe", "--peer", prefill_peer, "--credential", foreign).stdout)
+    peer = next(c for c in checks if c["name"] == "peer")
+    assert peer["status"] == "FAIL" and "cut short" in peer["detail"], peer

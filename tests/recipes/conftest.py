@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 RECIPES = Path(__file__).parents[2] / "recipes"
+KEY = "/etc/glm-pd/site.key_secret"  # what an operator's deployment key path looks like (the recipes only pass it)
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def run_recipe(tmp_path: Path):
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
 
     def run(script: str, **env: str) -> tuple[list[str], dict[str, str]]:
-        full = {**os.environ, "VLLM": str(shim), "PYTHON": str(shim), **env}
+        full = {**os.environ, "VLLM": str(shim), "PYTHON": str(shim), "GLM_PD_CREDENTIAL": KEY, **env}
         done = subprocess.run(["bash", str(RECIPES / script)], env=full, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         record = json.loads(out.read_text())

@@ -56,6 +56,7 @@ def test_serve_commands_parse(run_recipe, script: str, role: str) -> None:
         role,
     )
     config = GlmPdVllmConfig.from_extra(args["extra"])  # unknown keys or bad types would raise
+    assert config.credential == env["GLM_PD_CREDENTIAL"]  # every node authenticates with the deployment's key
     if role == "kv_producer":
         assert config.side_channel_host == "10.0.0.1" and config.side_channel_port == 5710
     assert args["tp"] == 8 and args["dcp"] == 8 and args["block_size"] == 64 and args["kv_cache_dtype"] == "fp8"
@@ -98,3 +99,9 @@ def test_a_bad_flag_is_refused_by_vllm(run_recipe) -> None:
 def test_prefill_needs_its_address(run_recipe) -> None:
     with pytest.raises(AssertionError, match="NODE_IP: the address of this node"):
         run_recipe("vllm/prefill.sh", NODE_IP="")
+
+
+@pytest.mark.parametrize("script", ["vllm/prefill.sh", "vllm/decode.sh"])
+def test_every_node_needs_the_deployment_key(run_recipe, script: str) -> None:
+    with pytest.raises(AssertionError, match="GLM_PD_CREDENTIAL: the deployment key file"):
+        run_recipe(script, NODE_IP="10.0.0.1", GLM_PD_CREDENTIAL="")

@@ -17,6 +17,7 @@ from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadRes
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.service import Finished, PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
+from glm_pd_common.handoff.wire.trust import OPEN, Trust
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
@@ -60,9 +61,10 @@ class Prefill:
         streamed: bool = False,
         on_thread: ThreadSetup = host_only,
         caps: PeerCaps = DEFAULT_CAPS,
+        trust: Trust = OPEN,
     ) -> None:
         self.caches, local = endpoint(spec, "prefill-0", timeout_s)
-        self.local = replace(local, on_thread=on_thread)
+        self.local = replace(local, on_thread=on_thread, trust=trust)
         self.table = np.arange(NUM_PAGES, dtype=np.int64)[::-1].copy()
         self.caches.write_tokens(self.table, 0, NUM_PAGES * PAGE_TOKENS, seed=SEED)
         self.service = PrefillService(
@@ -104,11 +106,12 @@ class Decode:
         beat_s: float = 0.2,
         on_thread: ThreadSetup = host_only,
         memory: MemoryReader = HOST,
+        trust: Trust = OPEN,
     ) -> None:
         self.caches, local = endpoint(spec, name, timeout_s)
         self.faults = Injector()
         transport = FaultyTransport(local.transport, self.faults)
-        self.local = replace(local, transport=transport, on_thread=on_thread, memory=memory)
+        self.local = replace(local, transport=transport, on_thread=on_thread, memory=memory, trust=trust)
         self.service = DecodeService(
             self.local, timeout_s=timeout_s, verify_digests=True, heartbeat_s=beat_s, faults=self.faults
         )

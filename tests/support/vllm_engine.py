@@ -44,6 +44,7 @@ from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.model import cache_spec, context_parallel
+from tests.support.credential import suite_credential
 from tests.support.faults import FaultyTransport, Injector
 
 SAMPLED = 7  # the token the forward double samples
@@ -58,6 +59,7 @@ def vllm_config(job: dict, rank: int) -> VllmConfig:
         "timeout_s": 20.0,
         "lease_s": job["lease_s"],
         "verify_checksums": True,
+        "credential": suite_credential(),
         **job.get("extra", {}),
     }
     if "rank_hosts" in job:  # each rank on its own node: that node's side_channel_host

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from tests.support.credential import suite_credential
 from tests.support.ports import free_port
 from tests.support.scenarios import MAX_TOKENS
 
@@ -184,10 +185,11 @@ class Server:
 
 def glm_pd_config(role: str, **extra: object) -> str:
     """``--kv-transfer-config`` for GlmPdConnector in ``role`` (kv_producer | kv_consumer): TCP allowed, digests
-    verified, the suite's transport, and ``extra`` in ``kv_connector_extra_config``."""
+    verified, the suite's transport and deployment key, and ``extra`` in ``kv_connector_extra_config``."""
     return json.dumps({
         "kv_connector": "GlmPdConnector", "kv_connector_module_path": "glm_pd_vllm.connector", "kv_role": role,
-        "kv_connector_extra_config": {"allow_tcp": True, "verify_checksums": True, "transport": TRANSPORT, **extra},
+        "kv_connector_extra_config": {"allow_tcp": True, "verify_checksums": True, "transport": TRANSPORT,
+                                      "credential": suite_credential(), **extra},
     })  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""``glm-pd`` command line: plan (the capacity account), demo (a real loopback handoff), doctor.
+"""``glm-pd`` command line: plan (the capacity account), demo (a real loopback handoff), doctor, keygen (a
+deployment's side-channel key).
 
 A plain install runs every command but the demo, which needs the side channel and a transport (extras);
 so the demo's modules are imported only when it runs.
@@ -17,7 +18,7 @@ from glm_pd_common.layout.hbm import GPU_HBM_GB
 from glm_pd_common.layout.shards import Sharding
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.args import add_model_args, cache_dtype, cache_spec, main_rows_by_backend, token_count
-from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, require_transport
+from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, installed, require_transport
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -156,7 +157,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from glm_pd_common.tools.doctor import add_parser as add_doctor
 
     add_doctor(sub)
+    _keygen_parser(sub)
     return parser
+
+
+def _keygen_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keygen", help="make a deployment's side-channel credential (a CURVE key pair)")
+    p.add_argument("directory", help="where to write NAME.key (public) and NAME.key_secret (give it to every peer)")
+    p.add_argument("--name", default="glm-pd", help="file name stem (default glm-pd)")
+    p.set_defaults(func=_run_keygen)
+
+
+def _run_keygen(args: argparse.Namespace) -> int:
+    if not installed("zmq"):
+        raise GlmPdError(f"needs pyzmq, which this install lacks: {install_hint('nixl')}")
+    from pathlib import Path
+
+    from glm_pd_common.handoff.wire.trust import make_credential
+
+    path = make_credential(Path(args.directory), args.name)
+    print(f"{path.resolve()}  (owner-only; set it as every prefill's and decode's `credential`)")
+    return 0
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:

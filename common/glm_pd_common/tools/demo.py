@@ -11,10 +11,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.wire.trust import load_credential, make_credential
 from glm_pd_common.layout.formats import check_page_tokens
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
@@ -136,6 +139,7 @@ def summarize(job: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
         "states": r.get("states", []),
         "data_path": r.get("transport", {}).get("data_path"),
         "prefill_outcome": r["prefill"].get("outcome"),
+        "side_channel": "CURVE, authenticated with the deployment key",
     }
     for key in (
         "bytes",
@@ -163,6 +167,7 @@ def print_report(s: dict[str, Any]) -> None:
         ("result", "OK: every decode byte verified" if s["ok"] else f"FAILED: {s.get('error', 'see above')}"),
         ("request states", " -> ".join(s["states"])),
         ("transport", f"{s['transport']}: {s['data_path']}"),
+        ("side channel", s["side_channel"]),
     ]
     if "bytes" in s:
         b = s["bytes"]
@@ -222,6 +227,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="fault injection: flip one decode byte after the transfer, to see the check name the page",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait, seconds")
+    p.add_argument(
+        "--credential",
+        default="",
+        help="the deployment key both peers authenticate with (`glm-pd keygen`; default: a new one for this run)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_cli)
 
@@ -243,9 +253,14 @@ def _run_cli(args: argparse.Namespace) -> int:
         "timeout_s": args.timeout,
         "lease_s": args.timeout,
         "inject_corruption": args.inject_corruption,
+        "credential": args.credential,
     }
     check_job(job)
-    summary = summarize(job, run(job))
+    with tempfile.TemporaryDirectory(prefix="glm-pd-demo-") as keys:
+        if not job["credential"]:  # the side channel authenticates as a deployment's does
+            job["credential"] = str(make_credential(Path(keys), "demo"))
+        load_credential(job["credential"])  # a bad --credential is named before any process starts
+        summary = summarize(job, run(job))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

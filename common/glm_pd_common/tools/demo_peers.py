@@ -23,6 +23,7 @@ from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadRes
 from glm_pd_common.handoff.faults import FaultPoint
 from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
+from glm_pd_common.handoff.wire.trust import Trust
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
@@ -91,7 +92,9 @@ def _endpoint(job: dict[str, Any], role: str, page_tokens: int) -> tuple[HostCac
         f"{role}-0", TransportConfig(backend=job["transport"], allow_tcp=job["allow_tcp"], timeout_s=job["timeout_s"])
     )
     transport.register(caches.regions)
-    return caches, table, Endpoint(f"{role}-0", spec, caches.regions, transport, PeerShape(page_tokens, 1, 0))
+    trust = Trust.from_settings(job["credential"], insecure=False)
+    shape = PeerShape(page_tokens, 1, 0)
+    return caches, table, Endpoint(f"{role}-0", spec, caches.regions, transport, shape, trust=trust)
 
 
 def run_prefill(job: dict[str, Any]) -> int:

@@ -215,15 +215,17 @@ def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
     from glm_pd_common.handoff.wire import protocol
     from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
     from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
+    from glm_pd_common.handoff.wire.trust import Trust
     from glm_pd_common.layout.fingerprint import diff
 
     spec = cache_spec(spec_args)
-    client = SideChannelClient(host, int(port))
+    client = SideChannelClient(host, int(port), Trust.from_settings(spec_args.credential, spec_args.insecure))
     try:
         client.send(protocol.Query(v=PROTOCOL_VERSION, engine_id="glm-pd-doctor"))
         reply = client.recv(timeout_s=10)
     except GlmPdError as exc:
-        return [Check("FAIL", "peer", f"{address}: {exc}", "is the peer's side channel listening on that address?")]
+        hint = "is the peer's side channel listening on that address, and does --credential name its deployment's key?"
+        return [Check("FAIL", "peer", f"{address}: {exc}", hint)]
     finally:
         client.close()
     if not isinstance(reply, protocol.Hello):
@@ -273,6 +275,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="check this node before deployment")
     add_model_args(p)
     p.add_argument("--peer", help="host:port of a peer's side channel: compare fingerprints")
+    p.add_argument("--credential", default="", help="the deployment key the peer authenticates (`glm-pd keygen`)")
+    p.add_argument("--insecure", action="store_true", help="ask a peer off loopback without a credential")
     p.add_argument("--skip-probe", action="store_true", help="skip the UCX loopback probe")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

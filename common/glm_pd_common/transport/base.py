@@ -332,4 +332,3 @@ class Transport(abc.ABC):
         self._close()
         self._local.clear()
         self._remote.clear()
-

@@ -55,7 +55,7 @@ class PrefillLinks:
         key = (remote.engine_id, rank)
         if key in self._links:
             return self._links[key]
-        client = SideChannelClient(remote.host_of(rank), remote.base_port + rank)
+        client = SideChannelClient(remote.host_of(rank), remote.base_port + rank, self.local.trust)
         try:
             client.send(self.local.hello(self.local.transport.metadata()))
             reply = client.recv(self.timeout_s, progress=self._progress)
@@ -92,7 +92,7 @@ class PrefillLinks:
             known = self._discovered.get(key)
         if known is not None:
             return known
-        client = SideChannelClient(remote.host, remote.base_port)
+        client = SideChannelClient(remote.host, remote.base_port, self.local.trust)
         try:
             client.send(protocol.Query(v=PROTOCOL_VERSION, engine_id=self.local.engine_id))
             reply = client.recv(self.timeout_s)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from glm_pd_common.errors import (
+    AuthenticationFailed,
     ChecksumMismatch,
     ConfigError,
     GlmPdError,
@@ -108,7 +109,7 @@ def failure_code(exc: BaseException) -> FailureCode:
         (ChecksumMismatch, "digest"),
         (LeaseExpired, "lease_expired"),
         ((PlanError, PageOutOfRange, ConfigError), "invalid_params"),  # the request's params, not the peer
-        ((LayoutMismatch, ProtocolError), "refused_peer"),
+        ((LayoutMismatch, ProtocolError, AuthenticationFailed), "refused_peer"),
     ]
     return next((code for kind, code in kinds if isinstance(exc, kind)), "internal")
 
@@ -122,4 +123,3 @@ class Phases:
     def __call__(self, phase: str) -> None:
         now = time.monotonic()
         self.into[phase], self.last = now - self.last, now
-

@@ -114,7 +114,7 @@ class PrefillService:
         self._next_idle_check = 0.0
         self._refusals, self._next_refusal_log = 0, 0.0  # undecodable messages not yet logged
         self._clock = ServiceClock()
-        self.server = SideChannelServer(host, port)
+        self.server = SideChannelServer(host, port, local.trust)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)  # one per lease
         self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
         self._decodes: dict[bytes, _Decode] = {}  # decode peers by side-channel identity
@@ -267,9 +267,8 @@ class PrefillService:
     def _on_subscribe(self, ident: bytes, msg: protocol.Subscribe) -> None:
         if not self.streamed:
             self._fail(ident, msg.request_id, "this prefill runs without streamed transfers", "refused_peer")
-        elif (
-            self._streams.subscriptions() >= self.caps.subscriptions
-            and not self._streams.subscribed(ident, msg.request_id)
+        elif self._streams.subscriptions() >= self.caps.subscriptions and not self._streams.subscribed(
+            ident, msg.request_id
         ):
             why = f"prefill serves at most {self.caps.subscriptions} streamed subscriptions at once"
             self._fail(ident, msg.request_id, why, "refused_peer")

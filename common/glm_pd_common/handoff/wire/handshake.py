@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from glm_pd_common.errors import GlmPdError, ProtocolError
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.trust import OPEN, Trust
 from glm_pd_common.layout.fingerprint import PeerShape, check_shape, require_match
 from glm_pd_common.layout.formats import main_page_format
 from glm_pd_common.layout.pages import INT64_MAX
@@ -68,6 +69,7 @@ class Endpoint:
     shape: PeerShape
     memory: MemoryReader = HOST  # how digests read the regions (device memory needs the adapter's reader)
     on_thread: ThreadSetup = host_only  # what each thread glm-pd starts runs first (selects the CUDA device)
+    trust: Trust = OPEN  # how its side channels authenticate peers (the deployment's credential)
 
     def hello(self, agent_metadata: bytes) -> protocol.Hello:
         return make_hello(

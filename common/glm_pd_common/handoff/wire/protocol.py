@@ -44,6 +44,8 @@ def renew_interval(lease_s: float) -> float:
     if not lease_s > 0:
         raise ConfigError(f"lease_s must be positive, got {lease_s!r}")
     return lease_s / RENEWALS_PER_LEASE
+
+
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
 # Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
 PageId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]

@@ -1,7 +1,9 @@
 """The side channel between peers: protocol messages over ZeroMQ, bounded waits, bound to one address.
 
-Prefill serves (ROUTER), decode connects (DEALER). Every receive has a timeout, every message is decoded
-by ``protocol.decode`` (size cap, version, shape) before anyone acts on it.
+Prefill serves (ROUTER), decode connects (DEALER), both authenticated as ``trust`` says (CURVE with the
+deployment's key; none on loopback or where the operator chose ``insecure``). Every receive has a timeout,
+every message is decoded by ``protocol.decode`` (size cap, version, shape) before anyone acts on it, and a
+client learns at once that the server failed the handshake (it is not the deployment's, or refused us).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import time
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from glm_pd_common.errors import GlmPdError, ProtocolError
+from glm_pd_common.errors import AuthenticationFailed, GlmPdError, ProtocolError
 from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.trust import OPEN, Trust
 
 
 class SideChannelTimeout(GlmPdError):
@@ -26,11 +30,13 @@ class SideChannelServer:
     server's thread work (an engine's grant) calls ``wake`` so that work is picked up now, not when the wait
     for peers' messages times out."""
 
-    def __init__(self, host: str, port: int = 0) -> None:
+    def __init__(self, host: str, port: int = 0, trust: Trust = OPEN) -> None:
+        trust.check_host(host, "side channel host")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 2000)  # let the last answer (released / failed) reach the peer
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self._auth = trust.serve(self._ctx, self._sock)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -67,42 +73,88 @@ class SideChannelServer:
 
     def close(self) -> None:
         self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         with self._wake_lock:
             os.close(self._wake_fd)
             self._wake_fd = -1
 
 
+# What a client's monitor reports when the server it dialled refused our handshake: final, raised at once.
+_HANDSHAKE_REFUSED = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "refused this side's credential",
+    int(
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    ): "does not speak this side's security mechanism (one side has no credential)",
+}
+# A handshake cut short: a server without the deployment's secret key cannot answer, but a reset connection
+# looks the same, and ZeroMQ retries; it is named if the wait then times out.
+_HANDSHAKE_CUT = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
 class SideChannelClient:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, trust: Trust = OPEN) -> None:
+        trust.check_host(host, "peer")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        trust.dial(self._sock)
+        self._monitor = self._sock.get_monitor_socket(sum(_HANDSHAKE_REFUSED) + _HANDSHAKE_CUT)
+        self._cut = False  # a handshake with the server was cut short (named if the wait times out)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(f"tcp://{host}:{port}")
         self.address = f"{host}:{port}"
 
     def send(self, message: protocol.Message) -> None:
         self._sock.send(protocol.encode(message))
 
+    def _ready(self, wait_ms: int) -> bool:
+        """Whether an answer waits, after up to ``wait_ms``; a failed handshake raises at once."""
+        ready = dict(self._poller.poll(wait_ms))
+        if self._monitor in ready:
+            self._check_handshake()
+        return self._sock in ready
+
+    def _check_handshake(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event in _HANDSHAKE_REFUSED:
+                raise AuthenticationFailed(f"peer {self.address} {_HANDSHAKE_REFUSED[event]}: nothing was sent to it")
+            self._cut = True
+
+    def _timeout(self, timeout_s: float) -> SideChannelTimeout:
+        if self._cut:
+            return SideChannelTimeout(
+                f"no answer from {self.address} within {timeout_s:.1f} s: its handshakes were cut short (a peer "
+                f"without the deployment's credential cannot complete one)"
+            )
+        return SideChannelTimeout(f"no answer from {self.address} within {timeout_s:.1f} s")
+
     def recv(self, timeout_s: float, progress: Callable[[], object] | None = None) -> protocol.Message:
         """Wait for the peer's answer. ``progress`` runs every few ms meanwhile: the peer's answer may need
         this side's transport to make progress first (NIXL/UCX connection set-up is two-sided)."""
         deadline = time.monotonic() + timeout_s
-        while not self._sock.poll(2 if progress else int(timeout_s * 1000)):
-            if progress is None or time.monotonic() > deadline:
-                raise SideChannelTimeout(f"no answer from {self.address} within {timeout_s:.1f} s")
-            progress()
+        while not self._ready(2 if progress else max(int((deadline - time.monotonic()) * 1000), 0)):
+            if time.monotonic() > deadline:
+                raise self._timeout(timeout_s)
+            if progress is not None:
+                progress()
         return protocol.decode(self._sock.recv())
 
     def waiting(self) -> list[protocol.Message]:
         """Every message that has already arrived, in order; never waits."""
         out = []
-        while self._sock.poll(0):
+        while self._ready(0):
             out.append(protocol.decode(self._sock.recv()))
         return out
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
         self._ctx.term()
 
@@ -114,10 +166,13 @@ def recv_any(
     poller = zmq.Poller()
     for client in clients:
         poller.register(client._sock, zmq.POLLIN)
+        poller.register(client._monitor, zmq.POLLIN)
     deadline = time.monotonic() + timeout_s
     while True:
         ready = dict(poller.poll(2))
         for i, client in enumerate(clients):
+            if client._monitor in ready:
+                client._check_handshake()
             if client._sock in ready:
                 return i, protocol.decode(client._sock.recv())
         if time.monotonic() > deadline:

@@ -1,0 +1,179 @@
+"""Who may speak on a glm-pd side channel: the deployment credential, and where running without one is allowed.
+
+A deployment (every prefill and decode that hand off to each other) shares one CURVE key pair. Each side
+channel server proves it holds the secret key (CurveZMQ: a client only completes the handshake with the server
+whose public key it expects) and admits, through ZeroMQ's ZAP, only clients presenting the same public key,
+which they can only do holding its secret. Nothing, not even a refusal, is exchanged before that: an unknown
+peer's connection is closed by ZeroMQ during the handshake. Without a credential the side channel is open to
+whoever can reach it, so that is allowed on loopback, or where the operator said ``insecure``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from glm_pd_common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ENV_SOURCE = "env:"  # a credential source "env:NAME": the variable NAME holds the secret key (Z85, 40 characters)
+ZAP_DOMAIN = "glm-pd"
+HANDSHAKE_S = 5.0  # a connection that has not completed its handshake by then is closed (ZeroMQ's default: 30 s)
+HEARTBEAT_S = 5.0  # ZMTP pings on an idle connection; one silent for 3 intervals is closed
+_DENIALS_LOG_S = 1.0
+
+
+@dataclass(frozen=True)
+class Credential:
+    """A deployment's CURVE key pair (Z85 text); the secret never appears in a repr or a log."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+
+    @classmethod
+    def from_secret(cls, secret: bytes, source: str) -> Credential:
+        try:
+            return cls(zmq.curve_public(secret), secret)
+        except (zmq.ZMQError, ValueError) as exc:
+            raise ConfigError(f"credential {source}: not a CURVE secret key (40 Z85 characters): {exc}") from None
+
+
+def load_credential(source: str) -> Credential:
+    """The credential named by ``source``: ``env:NAME`` (that variable holds the secret key), else a key file
+    as ``glm-pd keygen`` writes (ZeroMQ's certificate format, holding both keys)."""
+    if source.startswith(ENV_SOURCE):
+        name = source[len(ENV_SOURCE) :]
+        value = os.environ.get(name, "").strip()
+        if not value:
+            raise ConfigError(f"credential {source}: the environment variable {name} is not set")
+        return Credential.from_secret(value.encode(), source)
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"credential {source}: no such file (make one with `glm-pd keygen`)")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"credential {source}: not a key file: {exc}") from None
+    if not secret:
+        raise ConfigError(f"credential {source} holds a public key only: use the *.key_secret file")
+    credential = Credential.from_secret(secret, source)
+    if credential.public != public:
+        raise ConfigError(f"credential {source}: its public key does not belong to its secret key")
+    return credential
+
+
+def make_credential(directory: Path, name: str) -> Path:
+    """Write a new deployment key pair under ``directory``; the file to hand every peer (readable by its owner
+    only) is returned."""
+    directory.mkdir(parents=True, exist_ok=True)
+    secret_file = Path(directory) / f"{name}.key_secret"
+    if secret_file.exists():
+        raise ConfigError(f"{secret_file} exists; a deployment's key is replaced on purpose, not by accident")
+    _, written = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(written, 0o600)
+    return Path(written)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve anywhere
+
+
+@dataclass(frozen=True)
+class Trust:
+    """How this process's side channels authenticate: with ``credential``, or (on loopback, or where the
+    operator set ``insecure``) not at all."""
+
+    credential: Credential | None = None
+    insecure: bool = False
+
+    @classmethod
+    def from_settings(cls, credential: str, insecure: bool) -> Trust:
+        return cls(load_credential(credential) if credential else None, insecure)
+
+    @property
+    def authenticated(self) -> bool:
+        return self.credential is not None
+
+    def check_host(self, host: str, role: str) -> None:
+        """Refuse to bind (or dial) ``host`` unauthenticated unless it is loopback or the operator said so."""
+        if self.credential is None and not self.insecure and not is_loopback(host):
+            raise ConfigError(
+                f"{role} {host} is not a loopback address and no credential is set: anyone who can reach it could "
+                f"read and write this engine's KV cache. Make a key with `glm-pd keygen DIR`, give every prefill and "
+                f"decode its *.key_secret file as `credential`, or set `insecure` to run unauthenticated"
+            )
+
+    def serve(self, context: zmq.Context, sock: zmq.Socket) -> ThreadAuthenticator | None:
+        """Make ``sock`` a CURVE server admitting only this deployment's key; the authenticator runs until
+        stopped (the caller stops it before terminating ``context``)."""
+        _keep_alive(sock)
+        if self.credential is None:
+            return None
+        auth = ThreadAuthenticator(context)
+        auth.start()
+        auth.configure_curve_callback(ZAP_DOMAIN, _DeploymentKey(self.credential.public))
+        sock.curve_secretkey = self.credential.secret
+        sock.curve_publickey = self.credential.public
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        return auth
+
+    def dial(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE client that only completes a handshake with a server holding this key."""
+        _keep_alive(sock)
+        if self.credential is not None:
+            sock.curve_serverkey = self.credential.public
+            sock.curve_publickey = self.credential.public
+            sock.curve_secretkey = self.credential.secret
+
+
+OPEN = Trust()  # no credential: loopback only (the tests' and a single host's default)
+
+
+def _keep_alive(sock: zmq.Socket) -> None:
+    """A connection must finish its handshake within HANDSHAKE_S, and one whose peer stops answering pings is
+    closed: neither a silent stranger nor a vanished peer holds a connection."""
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * HEARTBEAT_S * 1000))
+
+
+class _DeploymentKey:
+    """ZAP's CURVE check (pyzmq's credentials provider): the client's public key must be the deployment's.
+    Denials are logged once a second with their count: a stranger knocking cannot flood the log."""
+
+    def __init__(self, public: bytes) -> None:
+        self._public = public
+        self._lock = threading.Lock()
+        self.denied = 0
+        self._unlogged, self._next_log = 0, 0.0
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key == self._public:
+            return True
+        with self._lock:
+            self.denied += 1
+            self._unlogged += 1
+            now = time.monotonic()
+            if now >= self._next_log:
+                logger.warning(
+                    "glm-pd side channel: refused %d handshake(s) from peers without this deployment's credential",
+                    self._unlogged,
+                )
+                self._unlogged, self._next_log = 0, now + _DENIALS_LOG_S
+        return False
