@@ -14,8 +14,8 @@ an aborted one's load is cancelled.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -113,7 +113,6 @@ class GlmPdScheduler:
         self.block_size = vllm_config.cache_config.block_size  # tokens of one block on one rank
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.sharding = context_parallel(vllm_config)
-        self._lease_seq = itertools.count()
         # tokens one block id spans: vLLM's scheduler deals each block's tokens out over the DCP ranks
         self.block_tokens = self.block_size * self.sharding.token_shards
         self.port = engine_port(vllm_config, config.side_channel_port)
@@ -272,9 +271,10 @@ class GlmPdScheduler:
         blocks = list(block_ids[0]) if block_ids else []
         if not blocks:
             return None
-        # The lease is named per grant: an id the front end reuses (a router redoing prefill after a failed load)
-        # is a new lease, which a claim can wait for, never the ended one a late claim must be refused.
-        lease_id = f"{request.request_id}#{next(self._lease_seq)}"
+        # The lease is named per grant, and unguessably: only the decode the router hands these params to can
+        # claim it (prefill then binds it to that decode), and an id the front end reuses (a router redoing prefill
+        # after a failed load) is a new lease, never the ended one a late claim must be refused.
+        lease_id = f"{request.request_id}#{secrets.token_urlsafe(18)}"
         try:  # the checks decode will apply: params it would refuse are not published, the blocks are freed now
             out = KvTransferParams(
                 remote_engine_id=self.engine_id,

@@ -38,7 +38,7 @@ def _opened(*transfer_ids: str) -> StreamTable:
     table = StreamTable(timeout_s=60, clock=time.monotonic)
     for tid in transfer_ids:
         table.take(StreamCall(tid, num_tokens=1000))
-        table.subscribe(SUB, protocol.Subscribe(v=protocol.PROTOCOL_VERSION, request_id=tid, num_tokens=1000))
+        table.subscribe(SUB, protocol.Subscribe(v=protocol.PROTOCOL_VERSION, request_id=tid, num_tokens=1000), "decode")
     return table
 
 
@@ -73,7 +73,9 @@ def test_a_failed_event_ends_its_transfer_and_drops_its_later_steps_only() -> No
     assert "ready event failed" in failed[0].reason and "device-side assert" in failed[0].reason
     sent = [(m.request_id, m.pages) for _, m in out if isinstance(m, protocol.Progress)]
     assert sent == [("good", [5])]  # bad's later step was dropped, good's went out
-    again = table.subscribe(SUB, protocol.Subscribe(v=protocol.PROTOCOL_VERSION, request_id="bad", num_tokens=1000))
+    again = table.subscribe(
+        SUB, protocol.Subscribe(v=protocol.PROTOCOL_VERSION, request_id="bad", num_tokens=1000), "decode"
+    )
     assert isinstance(again[0][1], protocol.Failed)  # a late subscriber is told at once
 
 

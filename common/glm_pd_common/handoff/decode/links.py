@@ -7,6 +7,8 @@ itself is shared, and ``forget`` drops every rank of an engine (other lanes may 
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +41,7 @@ class PrefillLinks:
         self._links: dict[tuple[str, int], PrefillLink] = {}
         self._discovered: dict[tuple[str, int], RemotePrefill] = {}  # streamed params' host:port -> prefill
         self._lock = threading.Lock()  # ``_discovered``: any lane may learn or forget a prefill
+        self._session = secrets.token_bytes(32)  # this process's: proves a new connection is still us (``proof``)
 
     def __len__(self) -> int:
         return len(self._links)
@@ -57,7 +60,7 @@ class PrefillLinks:
             return self._links[key]
         client = SideChannelClient(remote.host_of(rank), remote.base_port + rank, self.local.trust)
         try:
-            client.send(self.local.hello(self.local.transport.metadata()))
+            client.send(self.local.hello(self.local.transport.metadata(), self.proof(remote.engine_id, rank)))
             reply = client.recv(self.timeout_s, progress=self._progress)
             if isinstance(reply, protocol.Failed):
                 raise Refused(
@@ -82,6 +85,11 @@ class PrefillLinks:
             raise
         self._links[key] = PrefillLink(client, view, agent, remote.address)
         return self._links[key]
+
+    def proof(self, engine_id: str, rank: int) -> bytes:
+        """What our hellos to that prefill rank carry: it tells a re-handshake of ours from a peer borrowing our
+        agent name; keyed per rank, so one prefill cannot pass ours off to another."""
+        return hashlib.blake2b(f"{engine_id}/{rank}".encode(), key=self._session, digest_size=32).digest()
 
     def known(self, remote: RemotePrefill) -> RemotePrefill:
         """A streamed request's params name prefill's host and port only: rank 0's hello says the rest."""

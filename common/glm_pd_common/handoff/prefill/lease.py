@@ -6,6 +6,9 @@ that the pages were still held when the read finished. Prefill answers that conf
 ``release`` raises for a lease that expired (its pages may already hold other data), and decode must then fail or
 recompute the request.
 
+A lease belongs to one decode engine: the first to claim or renew it once granted (its id, unguessable, reached that
+decode alone through the router); any other decode's message for it is refused and moves nothing.
+
 States (``LeaseState``) and what moves them:
 
     AWAITED  -- engine grant ------------------> UNREADY (the GPU may still write the pages) or HELD
@@ -82,6 +85,7 @@ class Lease:
     plans: dict[bytes, TransferPlan] = field(default_factory=dict)  # per claimant, for its digest queries
     releases_left: int = 1  # decode ranks that still have to confirm (TP fan-out)
     expectation_set: bool = False
+    owner: str = ""  # the decode engine it was granted to: the first to claim or renew it (``may_act``)
 
     def move(self, to: LeaseState) -> None:
         if to not in _ALLOWED[self.state]:
@@ -200,25 +204,35 @@ class LeaseTable:
                     pages += len(msg.src_pages) + len(msg.dst_pages)
         return mine, pages
 
+    def may_act(self, request_id: str, decode_engine: str) -> bool:
+        """Whether ``decode_engine`` may act on this lease: any decode until one claimed or renewed it (its id
+        reached that decode alone, through the router), that decode only from then on."""
+        lease = self._leases.get(request_id)
+        return lease is None or not lease.owner or lease.owner == decode_engine
+
     def expect(self, request_id: str, releases: int) -> None:
         """Set how many decode ranks will confirm, once (the first decode rank to speak knows the TP shape)."""
         lease = self._leases.get(request_id)
         if lease is not None and not lease.expectation_set:
             lease.releases_left, lease.expectation_set = releases, True
 
-    def claim(self, request_id: str, by: bytes = b"") -> Lease:
-        """Decode is about to read: extend the hold to cover the transfer, or refuse an expired lease."""
+    def claim(self, request_id: str, by: bytes = b"", owner: str = "") -> Lease:
+        """Decode (rank ``by`` of engine ``owner``) is about to read: extend the hold to cover the transfer, or
+        refuse an expired lease."""
         lease = self._live(request_id)
         if lease.state is LeaseState.HELD:
             lease.move(LeaseState.CLAIMED)
         lease.claimants.add(by)
+        lease.owner = lease.owner or owner
         lease.expires_at = max(lease.expires_at, self._clock() + self.transfer_ttl_s)
         return lease
 
-    def renew(self, request_id: str) -> bool:
-        """Decode still waits to claim: hold the pages ``ttl_s`` from now (never shorter than they were held).
-        False for a claimed lease (the claim's hold governs); ``LeaseExpired`` for an unknown or expired one."""
+    def renew(self, request_id: str, owner: str = "") -> bool:
+        """Decode (engine ``owner``) still waits to claim: hold the pages ``ttl_s`` from now (never shorter than
+        they were held). False for a claimed lease (the claim's hold governs); ``LeaseExpired`` for an unknown or
+        expired one."""
         lease = self._live(request_id)
+        lease.owner = lease.owner or owner
         if lease.state is LeaseState.CLAIMED:
             return False
         lease.expires_at = max(lease.expires_at, self._clock() + self.ttl_s)
@@ -277,6 +291,14 @@ class LeaseTable:
         for lease in self._leases.values():
             out |= lease.claimants | lease.waiting.keys()
         return out
+
+    def withdraw(self, request_id: str, ident: bytes) -> None:
+        """``ident`` no longer waits for a lease not granted yet (its own message only: others' stay)."""
+        lease = self._leases.get(request_id)
+        if lease is not None and lease.state is LeaseState.AWAITED:
+            lease.waiting.pop(ident, None)
+            if not lease.waiting:
+                self.end(request_id, "")
 
     def forget_peer(self, ident: bytes) -> None:
         """A decode peer is gone: what waited or was planned for it goes (its claims stay: the lease expires)."""

@@ -31,6 +31,7 @@ the whole page table; they read while prefill still runs and claim the lease for
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import threading
@@ -87,6 +88,7 @@ class _Decode:
     peer: PeerView
     agent: str  # its agent in our transport
     last_seen: float = 0.0
+    proof: bytes = b""  # its hello's: a later hello under its agent name must repeat it (or find it silent)
 
 
 class PrefillService:
@@ -256,7 +258,7 @@ class PrefillService:
         elif isinstance(msg, protocol.Done):
             self._on_done(ident, msg)
         elif isinstance(msg, protocol.Abort):
-            self._on_abort(msg)
+            self._on_abort(ident, msg)
         elif isinstance(msg, protocol.DigestQuery):
             plan = self._leases.plan(msg.request_id, ident)
             known = len(plan.entries) if plan is not None else 0
@@ -273,7 +275,7 @@ class PrefillService:
             why = f"prefill serves at most {self.caps.subscriptions} streamed subscriptions at once"
             self._fail(ident, msg.request_id, why, "refused_peer")
         else:
-            self._send_all(self._streams.subscribe(ident, msg))
+            self._send_all(self._streams.subscribe(ident, msg, self._decodes[ident].peer.engine_id))
 
     def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
         t0 = time.monotonic()
@@ -288,10 +290,22 @@ class PrefillService:
             logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
             self._fail(ident, "", str(exc), "refused_peer")
             return
+        now = self._clock.now()
+        for other in [d for d in self._decodes.values() if d.agent == peer.agent_name and d.identity != ident]:
+            same = bool(msg.proof) and hmac.compare_digest(msg.proof, other.proof)
+            if not same and now - other.last_seen <= self.peer_idle_s:
+                why = (
+                    f"decode agent {protocol.clip(peer.agent_name, 80)} is connected and live; a hello under its "
+                    f"name that cannot prove to be it evicts nothing (a restarted decode is accepted once the old "
+                    f"connection has been silent {self.peer_idle_s:.0f} s)"
+                )
+                logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, why)
+                self._fail(ident, "", why, "refused_peer")
+                return
         self._forget(ident, "it said hello again")
         try:
-            for other in [d.identity for d in self._decodes.values() if d.agent == peer.agent_name]:
-                self._forget(other, "its agent said hello on a new connection (a restart or a re-handshake)")
+            for other_ident in [d.identity for d in self._decodes.values() if d.agent == peer.agent_name]:
+                self._forget(other_ident, "its agent said hello on a new connection (a restart or a re-handshake)")
             agent = self.local.transport.add_peer(peer.agent_metadata, peer.spans)
             if agent != peer.agent_name:
                 self.local.transport.remove_peer(agent)
@@ -300,7 +314,7 @@ class PrefillService:
             logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
             self._fail(ident, "", str(exc), "refused_peer")
             return
-        self._decodes[ident] = _Decode(ident, peer, agent, self._clock.now())
+        self._decodes[ident] = _Decode(ident, peer, agent, self._clock.now(), msg.proof)
         self.server.send(ident, self.local.hello(self.local.transport.metadata()))
         logger.info("glm-pd prefill: decode %s accepted in %.1f ms", msg.engine_id, (time.monotonic() - t0) * 1e3)
 
@@ -349,13 +363,17 @@ class PrefillService:
         if ident not in self._decodes:
             logger.debug("glm-pd prefill: ignored a renewal of %d lease(s) from an unknown peer", len(msg.request_ids))
             return
+        engine = self._decodes[ident].peer.engine_id
         for request_id in [self._streams.lease_of(i) or i for i in msg.request_ids]:  # a transfer id: its lease
+            if not self._leases.may_act(request_id, engine):
+                logger.debug("glm-pd prefill: renewal of %s ignored: it belongs to another decode", request_id)
+                continue
             lease = self._leases.get(request_id)
             if lease is not None and lease.state is LeaseState.UNREADY:
                 logger.debug("glm-pd prefill: renewal of %s ignored: its pages are not ready yet", request_id)
                 continue
             try:
-                if not self._leases.renew(request_id):
+                if not self._leases.renew(request_id, engine):
                     logger.debug("glm-pd prefill: renewal of %s ignored: decode has claimed it", request_id)
             except LeaseExpired as exc:
                 logger.debug("glm-pd prefill: renewal ignored: %s", exc)
@@ -373,6 +391,9 @@ class PrefillService:
             self._wait(ident, msg, len(msg.src_pages) + len(msg.dst_pages))
             return
         decode = self._decodes[ident]
+        if not self._leases.may_act(msg.request_id, decode.peer.engine_id):
+            self._not_theirs(ident, msg.request_id)
+            return
         try:
             source, theirs = self._serves(decode)
             own = suffix_pages(
@@ -397,7 +418,7 @@ class PrefillService:
             )
             # Only a claim for the pages the lease holds moves it: a wrong one is refused and changes nothing.
             self._leases.expect(msg.request_id, self._releases_from(decode))
-            self._leases.claim(msg.request_id, by=ident)
+            self._leases.claim(msg.request_id, by=ident, owner=decode.peer.engine_id)
         except GlmPdError as exc:
             code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
             self._fail(ident, msg.request_id, str(exc), code)
@@ -432,6 +453,9 @@ class PrefillService:
             # possibly before the engine hands the finished request over: it waits as a claim does
             self._wait(ident, msg, 0)
             return
+        if not self._leases.may_act(msg.request_id, self._decodes[ident].peer.engine_id):
+            self._not_theirs(ident, msg.request_id)
+            return
         # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
         self._leases.expect(msg.request_id, self._releases_from(self._decodes[ident]))
         try:
@@ -443,8 +467,17 @@ class PrefillService:
         if released is not None:
             self._ended(released, "released")
 
-    def _on_abort(self, msg: protocol.Abort) -> None:
+    def _on_abort(self, ident: bytes, msg: protocol.Abort) -> None:
+        """A decode gives up on a lease or a streamed transfer of its own; one not granted yet loses only this
+        decode's waiting message, and another decode's is refused (nothing changes)."""
+        engine = self._decodes[ident].peer.engine_id
         lease = self._leases.get(msg.request_id)
+        if not self._leases.may_act(msg.request_id, engine) or not self._streams.owned(msg.request_id, engine):
+            self._not_theirs(ident, msg.request_id)
+            return
+        if lease is not None and lease.state is LeaseState.AWAITED and msg.request_id not in self._streams:
+            self._leases.withdraw(msg.request_id, ident)
+            return
         if self.streamed and (lease is None or lease.state is LeaseState.AWAITED):
             # a transfer id decode gave up on: its subscribers are told; a lease granted for it ends below, one
             # still to come ends when it is held
@@ -484,6 +517,10 @@ class PrefillService:
 
     def _releases_from(self, decode: _Decode) -> int:
         return expected_releases(self.local.shape.tp_rank, *self._layouts(decode))
+
+    def _not_theirs(self, ident: bytes, request_id: str) -> None:
+        why = f"request {protocol.clip(request_id, 80)} was granted to another decode; this one may not act on it"
+        self._fail(ident, request_id, why, "refused_peer")
 
     def _fail(self, ident: bytes, request_id: str, reason: str, code: FailureCode) -> None:
         failed = protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=protocol.clip(reason), code=code)

@@ -4,7 +4,8 @@ A streamed request is known by the transfer id the router gave both legs. The en
 ``StreamCall`` (opened, or ended) and ``Advance`` (a step's written tokens and the pages they are in), through
 ``take``. A step is announced once its ready event has completed, in step order (``announce_ready``: a later
 step's event completes later, so a step never overtakes the one before). The lease comes when the request
-finishes (``finish``). Decode ranks ``subscribe``; each is sent the pages it has not been sent yet. Nothing here
+finishes (``finish``). Decode ranks ``subscribe`` (the first one's decode engine owns the transfer: no other may
+subscribe or abort it); each is sent the pages it has not been sent yet. Nothing here
 touches a socket or blocks: the service thread owns this table, polls the events and sends the ``Progress`` and
 ``Failed`` messages it returns, so the order of every change is that thread's.
 """
@@ -50,6 +51,7 @@ class _Stream:
     ready_tokens: int = 0
     subscribers: dict[bytes, int] = field(default_factory=dict)  # identity -> pages sent to it
     lease_id: str = ""
+    owner: str = ""  # the decode engine of its first subscriber: no other may subscribe or abort it
     deadline: float = float("inf")  # subscribed before the engine announced it: wait this long
     last_sent: float = 0.0  # real time: a keepalive answers decode's wait, which runs on real time
 
@@ -70,6 +72,9 @@ class StreamTable:
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._streams
 
     def take(self, call: StreamCall | Advance) -> Outgoing:
         """An engine call, in the order the engine made it."""
@@ -130,12 +135,21 @@ class StreamTable:
         stream.subscribers = dict.fromkeys(stream.subscribers, 0)  # the whole table goes with the lease
         return True, self._send(transfer_id, stream)
 
-    def subscribe(self, ident: bytes, msg: protocol.Subscribe) -> Outgoing:
+    def owned(self, transfer_id: str, decode_engine: str) -> bool:
+        """Whether ``decode_engine`` may act on this transfer (no other decode subscribed to it first)."""
+        stream = self._streams.get(transfer_id)
+        return stream is None or not stream.owner or stream.owner == decode_engine
+
+    def subscribe(self, ident: bytes, msg: protocol.Subscribe, decode_engine: str) -> Outgoing:
         if msg.request_id in self._ended:
             return [(ident, _failed(msg.request_id, f"the transfer already ended: {self._ended.get(msg.request_id)}"))]
+        if not self.owned(msg.request_id, decode_engine):
+            why = "another decode subscribed to this transfer: it belongs to that decode"
+            return [(ident, _failed(msg.request_id, why, "refused_peer"))]
         stream = self._streams.get(msg.request_id)
         if stream is None:  # decode's leg beat prefill's: wait for the engine a while
             stream = self._streams[msg.request_id] = _Stream(deadline=self._clock() + self.timeout_s)
+        stream.owner = decode_engine
         stream.subscribers[ident] = 0
         return self._send(msg.request_id, stream, only=ident)
 
@@ -204,5 +218,5 @@ class StreamTable:
         self._ended.add(transfer_id, why)
 
 
-def _failed(transfer_id: str, why: str) -> protocol.Failed:
-    return protocol.Failed(v=PROTOCOL_VERSION, request_id=transfer_id, reason=protocol.clip(why), code="aborted")
+def _failed(transfer_id: str, why: str, code: protocol.FailureCode = "aborted") -> protocol.Failed:
+    return protocol.Failed(v=PROTOCOL_VERSION, request_id=transfer_id, reason=protocol.clip(why), code=code)

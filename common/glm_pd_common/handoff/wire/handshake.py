@@ -32,6 +32,7 @@ def make_hello(
     backend: str,
     agent_name: str,
     agent_metadata: bytes,
+    proof: bytes = b"",
 ) -> protocol.Hello:
     return protocol.Hello(
         v=PROTOCOL_VERSION,
@@ -55,6 +56,7 @@ def make_hello(
         transport=backend,
         agent_name=agent_name,
         agent_metadata=agent_metadata,
+        proof=proof,
     )
 
 
@@ -71,7 +73,7 @@ class Endpoint:
     on_thread: ThreadSetup = host_only  # what each thread glm-pd starts runs first (selects the CUDA device)
     trust: Trust = OPEN  # how its side channels authenticate peers (the deployment's credential)
 
-    def hello(self, agent_metadata: bytes) -> protocol.Hello:
+    def hello(self, agent_metadata: bytes, proof: bytes = b"") -> protocol.Hello:
         return make_hello(
             self.engine_id,
             self.spec,
@@ -80,6 +82,7 @@ class Endpoint:
             self.transport.backend,
             self.transport.agent_name,
             agent_metadata,
+            proof,
         )
 
 

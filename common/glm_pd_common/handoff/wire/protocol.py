@@ -17,6 +17,10 @@ Version history:
 - 5: streamed handoff: ``subscribe`` (decode asks for the progress of a transfer id while prefill still runs)
   and ``progress`` (prefill: the first ``ready_tokens`` are written, in these pages; a lease id once the request
   finished, which decode then claims as in pull); ``abort`` and ``renew`` accept a transfer id.
+- 6: the hello carries ``proof``: a decode process's keyed digest of the prefill rank it greets, the same on every
+  hello it sends that rank, so prefill tells the same decode on a new connection from another peer borrowing its
+  agent name. Side channels authenticate (CURVE) before any message; a lease or streamed transfer belongs to the
+  decode engine that first acts on it.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -33,7 +37,7 @@ from glm_pd_common.errors import ConfigError, ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.pages import INT64_MAX
 
-PROTOCOL_VERSION = 5  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
+PROTOCOL_VERSION = 6  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
 HEARTBEAT_S = 5.0  # an idle decode lane says it is alive at least this often (a wire contract, as the messages)
 RENEWALS_PER_LEASE = 6  # as vLLM's NIXL heartbeats: five renewals in a row may be lost before a lease runs out
@@ -88,6 +92,7 @@ class Hello(_Base, tag="hello", frozen=True):
     transport: Name
     agent_name: Id
     agent_metadata: bytes
+    proof: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # decode's (see the version history); prefill: empty
 
 
 class Query(_Base, tag="query", frozen=True):
