@@ -28,6 +28,8 @@ class GlmPdSglangConfig:
     verify_checksums: bool = False  # glm-pd's per-region xxh3 digests, checked before Success
     indexer_scale_format: str = ""  # empty: from the device; SGLang writes fp32 on every device
     model_revision: str = ""  # checked between peers when both set it
+    credential: str = ""  # the deployment's key: a *.key_secret file (`glm-pd keygen`) or env:NAME; needed off loopback
+    insecure: bool = False  # run SGLang's disaggregation sockets unauthenticated off loopback
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GlmPdSglangConfig:

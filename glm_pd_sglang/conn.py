@@ -31,13 +31,15 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.common import get_device_capability
-from sglang.srt.utils.network import NetworkAddress
+from sglang.srt.utils.network import NetworkAddress, get_zmq_socket_on_host
+from zmq.auth.thread import ThreadAuthenticator
 
 from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
 from glm_pd_common.handoff.faults import HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
+from glm_pd_common.handoff.wire.trust import Trust
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.transport.base import TransportConfig
@@ -64,6 +66,8 @@ TRANSFER_LANES = 8  # transfer threads per prefill rank; more decode peers than 
 class GlmPdKVManager(PrefillTransfers, CommonKVManager):
     """One rank's glm-pd agent: prefill pushes planned runs; decode announces its caches and verifies."""
 
+    endpoint: Endpoint
+    server_socket: zmq.Socket  # SGLang's receiving socket (made again, authenticated, with a credential)
     kv_status_msg_tag = wire.TAG_STATUS
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
@@ -79,6 +83,8 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         if not is_mla_backend:
             raise ConfigError("the glm-pd backend moves MLA (DSA) caches; this model's KV pool is not MLA")
         self.glm_config = GlmPdSglangConfig.from_env()
+        self.trust = Trust.from_settings(self.glm_config.credential, self.glm_config.insecure)
+        self._zap: ThreadAuthenticator | None = None  # the ZAP handler of this rank's authenticated socket
         refuse_unsupported(get_parallel(), envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get())
         self._server_args = server_args
         self.geometry = model_geometry(server_args, self.glm_config.model_revision)
@@ -103,6 +109,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         if self.defer_decode_allocation:
             raise ConfigError("glm-pd does not implement --disaggregation-decode-allocation-policy prefill_complete")
         mode = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        self._authenticate_sockets()  # prefill's was, before it registered with the bootstrap server
         self._open_transport(args)
         if mode == "prefill":
             self._lanes = LanePool(
@@ -118,6 +125,35 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         for t in self._threads:
             if not t.is_alive():
                 t.start()
+
+    def register_to_bootstrap(self) -> None:
+        """SGLang's registration of this prefill rank, its address being that of the authenticated socket."""
+        self._authenticate_sockets()
+        super().register_to_bootstrap()
+
+    def _authenticate_sockets(self) -> None:
+        """With the deployment's credential, this rank's messages (registrations, rooms, statuses, aborts) travel
+        only between its holders: SGLang's own receiving socket is made again, by SGLang's own function, as a CURVE
+        server admitting the deployment's key, and every socket this manager's context opens afterwards (SGLang's
+        sends to its peers) is a client of such servers. Without one, an address off loopback is refused unless
+        ``SGLANG_GLM_PD_INSECURE``."""
+        self.trust.check_host(self.local_ip, "SGLang's disaggregation address (local_ip)")
+        if not self.trust.authenticated or self._zap is not None:
+            return
+        ctx = self._zmq_ctx
+        self._zap = self.trust.authenticator(ctx)
+        server = self.trust.server_options()
+        for option, value in server.items():
+            ctx.setsockopt(option, value)
+        try:
+            port, sock = get_zmq_socket_on_host(ctx, zmq.PULL, host=self.local_ip)
+        finally:
+            for option in server:
+                ctx.sockopts.pop(option, None)
+        self.server_socket.close(linger=0)
+        self.server_socket, self.rank_port = sock, port
+        for option, value in self.trust.client_options().items():
+            ctx.setsockopt(option, value)
 
     def _open_transport(self, args: Any) -> None:
         """Describe this rank's caches from ``args`` (SGLang's KVArgs) and register them with a new transport."""
@@ -163,7 +199,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         shape = PeerShape(self.caches.page_tokens, self.ranks.num_ranks, rank, sharding=sharding)
         memory = reader_for((r.mem_kind for r in self.caches.regions), torch)
         on_device = thread_device(self.caches.regions, torch)
-        self.endpoint = Endpoint(name, self.caches.spec, self.caches.regions, transport, shape, memory, on_device)
+        self.endpoint = Endpoint(
+            name, self.caches.spec, self.caches.regions, transport, shape, memory, on_device, self.trust
+        )
         self.transport = transport
         logger.info("glm-pd %s rank %s: %s", mode, self.attn_tp_rank, transport.info().data_path)
 
@@ -216,6 +254,8 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             if not self._released:
                 self.transport.close()
         self.server_socket.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
 
     def _add_stat(self, key: str, value: float) -> None:
         with self._lock:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, ClassVar
 
 import numpy as np
+import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVReceiver, CommonKVSender
+from sglang.srt.environ import envs
 
 from glm_pd_common.errors import GlmPdError
 from glm_pd_sglang.conn import GlmPdKVManager
@@ -38,10 +41,22 @@ class GlmPdKVSender(CommonKVSender):
 
 
 class GlmPdKVReceiver(CommonKVReceiver):
-    """SGLang's receiver; glm-pd checks decode's suffix before announcing it and verifies before Success."""
+    """SGLang's receiver; glm-pd checks decode's suffix before announcing it and verifies before Success. Its
+    sends to prefill ranks (registrations, rooms) go through sockets of its own context, which are clients of the
+    deployment's authenticated servers once a manager with a credential exists."""
 
+    _ctx = zmq.Context()
+    _ctx.set(zmq.MAX_SOCKETS, envs.SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS.get())
+    _socket_cache: ClassVar[dict] = {}
+    _socket_locks: ClassVar[dict] = {}
+    _global_lock = threading.Lock()
     _pages: np.ndarray | None = None
     _verified: bool = False
+
+    def __init__(self, mgr: GlmPdKVManager, *args: Any, **kwargs: Any) -> None:
+        for option, value in mgr.trust.client_options().items():
+            type(self)._ctx.setsockopt(option, value)  # the same options for every manager of the process
+        super().__init__(mgr, *args, **kwargs)
 
     def send_metadata(
         self,

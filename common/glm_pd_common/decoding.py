@@ -7,6 +7,7 @@ message, not a service step thrown away.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, TypeVar
 
 import msgspec
@@ -14,13 +15,16 @@ import msgspec
 from glm_pd_common.errors import ProtocolError
 
 T = TypeVar("T")
-_DECODERS: dict[Any, msgspec.msgpack.Decoder[Any]] = {}  # one per type: building one costs ~60 small decodes
+# One decoder per type and thread (building one costs ~60 small decodes). One decoder shared by every thread of a
+# process broke streamed handoffs between real vLLM engines (tests/e2e); one per thread, they pass.
+_DECODERS = threading.local()
 
 
 def decode_as(data: bytes, kind: type[T], what: str) -> T:
     """``data`` as ``kind``, or a ``ProtocolError`` naming ``what`` was malformed."""
     try:
-        decoder = _DECODERS.get(kind) or _DECODERS.setdefault(kind, msgspec.msgpack.Decoder(kind))
+        mine: dict[Any, msgspec.msgpack.Decoder[Any]] = _DECODERS.__dict__.setdefault("by_type", {})
+        decoder = mine.get(kind) or mine.setdefault(kind, msgspec.msgpack.Decoder(kind))
         decoded: T = decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed {what}: {exc}") from exc

@@ -16,6 +16,8 @@ if [ "$NNODES" -gt 1 ]; then
   MULTI_NODE=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --dist-init-addr "$DIST_INIT_ADDR")
 fi
 export SGLANG_GLM_PD_TRANSPORT=${SGLANG_GLM_PD_TRANSPORT:-mooncake}
+# Every rank's messages go only between holders of the deployment's key (glm-pd keygen DIR, its .key_secret).
+export SGLANG_GLM_PD_CREDENTIAL=${SGLANG_GLM_PD_CREDENTIAL:-${GLM_PD_CREDENTIAL:?the deployment key file from glm-pd keygen DIR (its .key_secret), the same on every node}}
 
 exec "$PYTHON" -m sglang.launch_server \
   --model-path "$MODEL" --served-model-name glm-5.3 \

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from glm_pd_common.errors import AuthenticationFailed, ConfigError
 from glm_pd_common.handoff.wire import protocol, trust
@@ -22,6 +21,7 @@ from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.wire.sidechannel import SideChannelClient, SideChannelServer, SideChannelTimeout
 from glm_pd_common.handoff.wire.trust import Trust, load_credential, make_credential
 from tests.support.services import PAGE_TOKENS, SEED, Decode, Prefill
+from tests.support.strangers import curve, handshake
 
 V = PROTOCOL_VERSION
 
@@ -33,34 +33,6 @@ def deployment(tmp_path: Path) -> Trust:
 
 def other_deployment(tmp_path: Path) -> Trust:
     return Trust(load_credential(str(make_credential(tmp_path / "other", "deployment"))))
-
-
-def handshake(port: int, server_key: bytes, public: bytes, secret: bytes) -> str:
-    """How a raw CURVE client's handshake with ``port`` ends, within 5 s."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key, public, secret
-    monitor = sock.get_monitor_socket()
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    sock.send(protocol.encode(protocol.Query(v=V, engine_id="stranger")))
-    outcomes = {
-        zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded",
-        zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused",
-        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "cut short",
-        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
-    }
-    outcome = "nothing"
-    deadline = time.monotonic() + 5.0
-    while outcome == "nothing" and monitor.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
-        outcome = outcomes.get(recv_monitor_message(monitor)["event"], "nothing")
-    answered = sock.poll(500)
-    sock.disable_monitor()
-    monitor.close(0)
-    sock.close(0)
-    ctx.term()
-    assert not answered, "the stranger got an answer"
-    return outcome
 
 
 def test_keygen_writes_a_secret_file_only_its_owner_reads(tmp_path: Path) -> None:
@@ -135,11 +107,9 @@ def test_a_stranger_without_the_credential_learns_nothing(small_spec, deployment
         # the deployment's public key without its secret
         assert deployment.credential is not None
         public, secret = zmq.curve_keypair()
-        assert handshake(prefill.service.port, deployment.credential.public, public, secret) == "refused"
-        assert handshake(prefill.service.port, deployment.credential.public, deployment.credential.public, secret) in (
-            "refused",
-            "cut short",
-        )
+        key, port = deployment.credential.public, prefill.service.port
+        assert handshake("127.0.0.1", port, curve(key, public, secret)) == "refused"
+        assert handshake("127.0.0.1", port, curve(key, key, secret)) in ("refused", "cut short")
         ctx = zmq.Context()
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)

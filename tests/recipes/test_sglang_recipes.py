@@ -32,7 +32,15 @@ def test_launch_commands_parse(run_recipe, glm53: str, script: str, mode: str) -
     assert args.page_size == 64 and args.tp_size == 8 and args.kv_cache_dtype == "fp8_e4m3"
     assert args.disaggregation_ib_device.split(",")[0] == "mlx5_0" and args.context_length == 1048576
     settings = {k: v for k, v in env.items() if k.startswith("SGLANG_GLM_PD_")}
-    assert GlmPdSglangConfig.from_env(settings).transport == "mooncake"
+    config = GlmPdSglangConfig.from_env(settings)
+    assert config.transport == "mooncake"
+    assert config.credential == env["GLM_PD_CREDENTIAL"]  # every rank authenticates with the deployment's key
+
+
+@pytest.mark.parametrize("script", ["sglang/prefill.sh", "sglang/decode.sh"])
+def test_every_rank_needs_the_deployment_key(run_recipe, glm53: str, script: str) -> None:
+    with pytest.raises(AssertionError, match="GLM_PD_CREDENTIAL: the deployment key file"):
+        run_recipe(script, MODEL=glm53, GLM_PD_CREDENTIAL="")
 
 
 def test_tp_16_spans_two_nodes(run_recipe, glm53: str) -> None:

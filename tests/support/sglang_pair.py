@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from glm_pd_common.layout.geometry import ModelGeometry
+from tests.support.credential import suite_credential
 from tests.support.ports import free_port_range
 
 REPO = Path(__file__).parents[2]
@@ -61,7 +62,8 @@ class Pair:
             "draft": draft,  # both sides run a drafter (the MTP layer's caches)
             "device": device,  # glm-pd's threads set up as if the ranks' caches sat on this CUDA device
         }
-        base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl", **(env or {})}
+        base_env = {"SGLANG_GLM_PD_ALLOW_TCP": "1", "SGLANG_GLM_PD_TRANSPORT": "nixl",
+                    "SGLANG_GLM_PD_CREDENTIAL": suite_credential(), **(env or {})}  # fmt: skip
         configs = {
             "prefill": {**common, "role": "prefill", "tp": prefill_tp, "env": {**base_env, **(prefill_env or {})},
                         "linger_s": linger_s, "cp": prefill_cp, "layer_split": layer_split,

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zmq
 
 cfg: dict[str, Any] = json.loads(Path(sys.argv[1]).read_text())
 os.environ.update(cfg.get("env", {}))
@@ -55,6 +56,7 @@ from sglang.srt.server_args import prepare_server_args  # noqa: E402
 load_plugins()
 from tests.support.sglang_prefill import DEVICES, PrefillLoop, meta_row, prompt_ids, reason_of  # noqa: E402
 from tests.support.sglang_rank import Rank, rss_kb  # noqa: E402
+from tests.support.strangers import handshake  # noqa: E402
 from tests.support.tiny_dsa import TinyDsa  # noqa: E402
 
 ROLE = cfg["role"]
@@ -279,6 +281,8 @@ def main() -> None:
         "data_path": ranks[0].mgr.transport.info().data_path,
         "hosts": [r.mgr.local_ip for r in ranks],
         "device_ids": [sorted({reg.device_id for reg in r.mgr.caches.regions}) for r in ranks],
+        # a stranger without keys knocking on each rank's socket (SGLang's PULL): how its handshake ended
+        "stranger": [handshake(r.mgr.local_ip, r.mgr.rank_port, {}, zmq.PUSH, 2.0) for r in ranks],
     }
     Path(cfg["out"]).write_text(json.dumps(report))
     if ROLE == "prefill" and cfg.get("linger_s"):

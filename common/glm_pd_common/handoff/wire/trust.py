@@ -118,28 +118,50 @@ class Trust:
                 f"decode its *.key_secret file as `credential`, or set `insecure` to run unauthenticated"
             )
 
-    def serve(self, context: zmq.Context, sock: zmq.Socket) -> ThreadAuthenticator | None:
-        """Make ``sock`` a CURVE server admitting only this deployment's key; the authenticator runs until
-        stopped (the caller stops it before terminating ``context``)."""
-        _keep_alive(sock)
+    def server_options(self) -> dict[int, int | bytes]:
+        """The socket options of a CURVE server admitting this deployment's key through ZAP (none without one);
+        the context also needs the ``authenticator``."""
+        if self.credential is None:
+            return {}
+        return {
+            zmq.CURVE_SECRETKEY: self.credential.secret,
+            zmq.CURVE_PUBLICKEY: self.credential.public,
+            zmq.CURVE_SERVER: 1,
+            zmq.ZAP_DOMAIN: ZAP_DOMAIN.encode(),
+        }
+
+    def client_options(self) -> dict[int, int | bytes]:
+        """The socket options of a CURVE client that only completes a handshake with this deployment's server."""
+        if self.credential is None:
+            return {}
+        return {
+            zmq.CURVE_SERVERKEY: self.credential.public,
+            zmq.CURVE_PUBLICKEY: self.credential.public,
+            zmq.CURVE_SECRETKEY: self.credential.secret,
+        }
+
+    def authenticator(self, context: zmq.Context) -> ThreadAuthenticator | None:
+        """ZAP for ``context``'s CURVE servers, admitting only this deployment's key; runs until stopped (stop
+        it before terminating ``context``)."""
         if self.credential is None:
             return None
         auth = ThreadAuthenticator(context)
         auth.start()
         auth.configure_curve_callback(ZAP_DOMAIN, _DeploymentKey(self.credential.public))
-        sock.curve_secretkey = self.credential.secret
-        sock.curve_publickey = self.credential.public
-        sock.curve_server = True
-        sock.zap_domain = ZAP_DOMAIN.encode()
         return auth
 
-    def dial(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` a CURVE client that only completes a handshake with a server holding this key."""
+    def serve(self, context: zmq.Context, sock: zmq.Socket) -> ThreadAuthenticator | None:
+        """Make ``sock`` (not bound yet) a server admitting only this deployment; returns its authenticator."""
         _keep_alive(sock)
-        if self.credential is not None:
-            sock.curve_serverkey = self.credential.public
-            sock.curve_publickey = self.credential.public
-            sock.curve_secretkey = self.credential.secret
+        for option, value in self.server_options().items():
+            sock.setsockopt(option, value)
+        return self.authenticator(context)
+
+    def dial(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (not connected yet) a client of this deployment's servers only."""
+        _keep_alive(sock)
+        for option, value in self.client_options().items():
+            sock.setsockopt(option, value)
 
 
 OPEN = Trust()  # no credential: loopback only (the tests' and a single host's default)
