@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
 from glm_pd_common.transport.base import BACKENDS
 
@@ -30,6 +31,7 @@ class GlmPdVllmConfig:
     streamed: bool = False  # prefill announces each step's blocks; decode reads while prefill runs (README)
     credential: str = ""  # the deployment's key: a *.key_secret file (`glm-pd keygen`) or env:NAME; needed off loopback
     insecure: bool = False  # run the side channel unauthenticated off loopback (anyone reaching it can touch the KV)
+    caps: PeerCaps = DEFAULT_CAPS  # what decode peers can make prefill hold (an object of PeerCaps' fields)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, env: Mapping[str, str] | None = None) -> GlmPdVllmConfig:
@@ -45,6 +47,11 @@ class GlmPdVllmConfig:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             kind = type(known[name].default)
+            if kind is PeerCaps:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"kv_connector_extra_config['caps'] must be an object, got {value!r}")
+                values[name] = PeerCaps.from_settings(value, "kv_connector_extra_config['caps']")
+                continue
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):

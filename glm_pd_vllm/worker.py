@@ -123,6 +123,7 @@ class GlmPdWorker:
                 lease_s=self.config.lease_s,
                 timeout_s=self.config.timeout_s,
                 streamed=self.config.streamed,
+                caps=self.config.caps,
             )
         if self.is_consumer:
             self.decode = DecodeService(

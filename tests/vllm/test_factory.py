@@ -7,6 +7,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, s
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.prefill.caps import PeerCaps
+from glm_pd_vllm.config import GlmPdVllmConfig
 from glm_pd_vllm.connector import GlmPdConnector
 from glm_pd_vllm.plugin import register
 
@@ -63,3 +65,14 @@ def test_kv_both_is_refused(tiny_model):
     config = make_config(tiny_model, role="kv_both")
     with pytest.raises(ConfigError, match="kv_role must be kv_producer"):
         KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_prefill_caps_are_settings():
+    caps = GlmPdVllmConfig.from_extra({"caps": {"peers": 64, "early_claims": 8}}).caps
+    assert (caps.peers, caps.early_claims) == (64, 8) and caps.subscriptions == PeerCaps().subscriptions
+    with pytest.raises(ConfigError, match=r"unknown cap\(s\) \['peer'\]"):
+        GlmPdVllmConfig.from_extra({"caps": {"peer": 64}})
+    with pytest.raises(ConfigError, match="cap on early_pages must be an integer of at least 1"):
+        GlmPdVllmConfig.from_extra({"caps": {"early_pages": 0}})
+    with pytest.raises(ConfigError, match=r"\['caps'\] must be an object"):
+        GlmPdVllmConfig.from_extra({"caps": 5})

@@ -7,7 +7,9 @@ timeout. Past a cap the message is refused by name and nothing is kept; a live r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from glm_pd_common.errors import ConfigError
 
@@ -21,8 +23,17 @@ class PeerCaps:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value < 1:
-                raise ConfigError(f"prefill's cap on {name} must be at least 1, got {value}")
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"prefill's cap on {name} must be an integer of at least 1, got {value!r}")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any], where: str) -> PeerCaps:
+        """Caps from an operator's settings (``where`` names them in errors); the others keep their defaults."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ConfigError(f"{where} has unknown cap(s) {unknown}; prefill's caps are {sorted(known)}")
+        return cls(**settings)
 
 
 DEFAULT_CAPS = PeerCaps()
