@@ -163,3 +163,20 @@ def test_a_decode_pointed_at_a_lease_of_another_decode_fails_cleanly(small_spec)
         owner.close()
         decode.close()
         prefill.close()
+
+
+def test_renewing_another_decodes_streamed_transfer_does_not_take_its_lease(small_spec) -> None:
+    """Renewals may name a transfer id; one naming a transfer another decode subscribed to is ignored, so it
+    cannot make the lease its own before the subscriber claims it."""
+    with rivals(small_spec, streamed=True) as (prefill, owner, other):
+        owner.send(protocol.Subscribe(v=V, request_id="t", num_tokens=2 * PAGE_TOKENS))
+        assert isinstance(owner.recv(10.0), protocol.Progress)
+        prefill.service.open_stream("t", 2 * PAGE_TOKENS)
+        prefill.service.grant_stream("t-lease", "t", prefill.table[:2], 2 * PAGE_TOKENS)
+        progress = owner.recv(10.0)
+        while isinstance(progress, protocol.Progress) and not progress.lease_id:
+            progress = owner.recv(10.0)
+        other.send(protocol.Renew(v=V, request_ids=["t"]))
+        other.send(protocol.Heartbeat(v=V, engine_id="other", seq=1))
+        time.sleep(0.2)  # served in order by the one service thread
+        assert isinstance(claim(owner, "t-lease", prefill.table[:2]), protocol.Claimed)

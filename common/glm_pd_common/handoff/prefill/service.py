@@ -364,7 +364,8 @@ class PrefillService:
             logger.debug("glm-pd prefill: ignored a renewal of %d lease(s) from an unknown peer", len(msg.request_ids))
             return
         engine = self._decodes[ident].peer.engine_id
-        for request_id in [self._streams.lease_of(i) or i for i in msg.request_ids]:  # a transfer id: its lease
+        mine = [i for i in msg.request_ids if self._streams.owned(i, engine)]  # another's transfer: not renewed
+        for request_id in [self._streams.lease_of(i) or i for i in mine]:  # a transfer id: its lease
             if not self._leases.may_act(request_id, engine):
                 logger.debug("glm-pd prefill: renewal of %s ignored: it belongs to another decode", request_id)
                 continue
