@@ -67,3 +67,43 @@ def test_the_injected_corruption_lands_in_vram_and_the_staged_digest_sees_it() -
     assert region_pages_digest(region, pages, staged) != before
     flip(region, offset)
     assert region_pages_digest(region, pages, staged) == before
+
+
+def test_lanes_digesting_at_once_through_one_reader_get_their_own_bytes() -> None:
+    """Two threads digest two VRAM regions through one staged reader (as decode lanes reading two prefills, or two
+    SGLang transfer lanes, do), over and over: every digest equals the one computed alone. With one pinned buffer
+    shared by the threads, 70 of 80 were wrong on an H200."""
+    import threading
+
+    from glm_pd_common.layout.geometry import ModelGeometry
+    from glm_pd_common.layout.spec import CacheSpec
+    from glm_pd_common.tools.hostmem import HostCaches
+    from glm_pd_common.transport.digests import region_pages_digest
+    from glm_pd_common.transport.memory import StagedMemory, cuda_copier
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
+    pages = 64
+    template = HostCaches(spec, page_tokens=64, num_pages=pages).regions[:2]
+    tensors = [torch.randint(0, 256, (pages * r.page_stride,), dtype=torch.uint8, device=device) for r in template]
+    regions = [
+        dataclasses.replace(r, base_addr=t.data_ptr(), mem_kind="VRAM", device_id=device.index)
+        for r, t in zip(template, tensors, strict=True)
+    ]
+    staged = StagedMemory(cuda_copier(torch), staging_bytes=1 << 20)
+    chosen = np.arange(pages)[::-1].copy()
+    alone = [region_pages_digest(r, chosen, staged) for r in regions]
+    wrong: list[int] = []
+
+    def lane(i: int) -> None:
+        with torch.cuda.device(device):
+            for _ in range(40):
+                if region_pages_digest(regions[i], chosen, staged) != alone[i]:
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == [], f"{len(wrong)} of 80 digests differed from the region's own"

@@ -10,6 +10,7 @@ never imports torch, so an adapter hands its ``torch`` module to ``cuda_copier``
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
@@ -107,23 +108,26 @@ class _DeviceBytes:
 def cuda_copier(torch: Any) -> Copier:
     """A ``Copier`` over CUDA memory, built from the engine's ``torch`` module (the core imports no torch).
 
-    Each run is wrapped in place (no device copy) and copied into one pinned host buffer on the current
-    stream of the region's device; the stream is waited for before the bytes are handed out."""
-    host: list[Any] = []  # the pinned buffer, grown to the largest batch asked for
+    Each run is wrapped in place (no device copy) and copied into a pinned host buffer of the calling thread's on
+    the current stream of the region's device; the stream is waited for before the bytes are handed out. One buffer
+    per thread: lanes digesting at once through one shared buffer overwrote each other's bytes (70 of 80 digests
+    wrong on an H200)."""
+    mine = threading.local()  # .buffer: this thread's pinned buffer, grown to the largest batch it asked for
 
     def copy(region: Region, offsets: np.ndarray, lengths: np.ndarray) -> memoryview:
         total = int(lengths.sum())
         device = torch.device("cuda", region.device_id)
         with torch.cuda.device(device):  # pinning, too, is a CUDA call: never on the thread's default device
-            if not host or host[0].numel() < total:
-                host[:] = [torch.empty(total, dtype=torch.uint8, pin_memory=True)]
+            host = getattr(mine, "buffer", None)
+            if host is None or host.numel() < total:
+                host = mine.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
             at = 0
             for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
                 src = torch.as_tensor(_DeviceBytes(region.base_addr + off, n), device=device)
-                host[0][at : at + n].copy_(src, non_blocking=True)
+                host[at : at + n].copy_(src, non_blocking=True)
                 at += n
             torch.cuda.current_stream(device).synchronize()
-        return memoryview(host[0][:total].numpy())
+        return memoryview(host[:total].numpy())
 
     return copy
 
