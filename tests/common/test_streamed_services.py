@@ -117,6 +117,7 @@ def test_decode_giving_up_mid_stream_frees_prefills_lease_when_it_comes(pair) ->
     decode.service.cancel("gone")
     result = result_of(decode)
     assert not result.ok and result.code == "aborted", result
+    assert decode.service.leftovers()["prefill_peers"] == 1, "a client's abort dropped the link to prefill"
     step(prefill, "gone", 2 * PAGE_TOKENS, num_tokens)
     finish(prefill, "gone", num_tokens)
     ended = prefill.finished("gone#0", 5.0)

@@ -79,6 +79,11 @@ class _Batches(list[Transfer]):
             self.transport.wait(xfer, timeout_s)
 
 
+# Failures of one request over a link that worked (a client gone, prefill ending or refusing that request): the
+# link stays, so the next request skips the handshake.
+_LINK_STAYS = ("aborted", "lease_expired", "invalid_params")
+
+
 class DecodeService:
     def __init__(
         self,
@@ -213,7 +218,8 @@ class DecodeService:
             handoff.fail(reason)
             result.reason, result.code = reason, failure_code(exc)
             self._abort(remote, group, job.lease_id, reason)  # a streamed load: its transfer id
-            self._links.forget(remote)  # the next request re-handshakes: the peer may have restarted or changed
+            if result.code not in _LINK_STAYS:  # the next request re-handshakes: the peer may have restarted or changed
+                self._links.forget(remote)
         finally:
             with self._lock:
                 self._cancelled.discard(job.request_id)
