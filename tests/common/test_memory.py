@@ -105,26 +105,13 @@ def test_two_lanes_digesting_at_once_through_one_copier_get_their_own_bytes(cach
     run): two threads digest two regions through one staged reader, 40 times each, and every digest is the
     region's own. With one pinned buffer shared by the threads, one lane's copy overwrote the other's bytes before
     they were hashed (70 of 80 wrong on an H200; tests/gpu/test_device_digests.py checks it on a GPU)."""
-    import threading
-
     from glm_pd_common.transport.memory import cuda_copier
-    from tests.support.device_double import CopyTorch
+    from tests.support.device_double import CopyTorch, concurrent_misses
 
     regions = [as_vram(caches.regions[0]), as_vram(caches.regions[1])]
     staged = StagedMemory(cuda_copier(CopyTorch()), staging_bytes=1 << 20)
     pages = np.arange(24)[::-1].copy()
     alone = [region_pages_digest(r, pages, staged) for r in regions]
     assert alone[0] != alone[1]
-    wrong: list[int] = []
-
-    def lane(i: int) -> None:
-        for _ in range(40):
-            if region_pages_digest(regions[i], pages, staged) != alone[i]:
-                wrong.append(i)
-
-    threads = [threading.Thread(target=lane, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    wrong = concurrent_misses(lambda i: region_pages_digest(regions[i], pages, staged), alone)
     assert wrong == [], f"{len(wrong)} of 80 digests differed from the region's own"

@@ -73,13 +73,12 @@ def test_lanes_digesting_at_once_through_one_reader_get_their_own_bytes() -> Non
     """Two threads digest two VRAM regions through one staged reader (as decode lanes reading two prefills, or two
     SGLang transfer lanes, do), over and over: every digest equals the one computed alone. With one pinned buffer
     shared by the threads, 70 of 80 were wrong on an H200."""
-    import threading
-
     from glm_pd_common.layout.geometry import ModelGeometry
     from glm_pd_common.layout.spec import CacheSpec
     from glm_pd_common.tools.hostmem import HostCaches
     from glm_pd_common.transport.digests import region_pages_digest
     from glm_pd_common.transport.memory import StagedMemory, cuda_copier
+    from tests.support.device_double import concurrent_misses
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
@@ -93,17 +92,10 @@ def test_lanes_digesting_at_once_through_one_reader_get_their_own_bytes() -> Non
     staged = StagedMemory(cuda_copier(torch), staging_bytes=1 << 20)
     chosen = np.arange(pages)[::-1].copy()
     alone = [region_pages_digest(r, chosen, staged) for r in regions]
-    wrong: list[int] = []
 
-    def lane(i: int) -> None:
+    def digest(i: int) -> int:
         with torch.cuda.device(device):
-            for _ in range(40):
-                if region_pages_digest(regions[i], chosen, staged) != alone[i]:
-                    wrong.append(i)
+            return region_pages_digest(regions[i], chosen, staged)
 
-    threads = [threading.Thread(target=lane, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    wrong = concurrent_misses(digest, alone)
     assert wrong == [], f"{len(wrong)} of 80 digests differed from the region's own"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -133,3 +133,21 @@ class CopyTorch:
     @staticmethod
     def _stream(device: Any) -> SimpleNamespace:
         return SimpleNamespace(synchronize=lambda: time.sleep(0.001))
+
+
+def concurrent_misses(digest: Callable[[int], int], expected: list[int], rounds: int = 40) -> list[int]:
+    """Run ``digest(i)`` ``rounds`` times on one thread per lane ``i`` (all at once); the lanes whose result
+    differed from ``expected[i]``, once per miss."""
+    wrong: list[int] = []
+
+    def lane(i: int) -> None:
+        for _ in range(rounds):
+            if digest(i) != expected[i]:
+                wrong.append(i)
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(len(expected))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return wrong
