@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+import zmq.auth
 
 from glm_pd_common.errors import AuthenticationFailed, ConfigError
 from glm_pd_common.handoff.wire import protocol, trust
@@ -173,3 +174,15 @@ def test_a_connection_that_never_completes_its_handshake_is_closed(small_spec, d
         assert received.startswith(b"\xff") and len(received) < 64, received  # a ZMTP greeting's start, no more
     finally:
         prefill.close()
+
+
+def test_glm_pd_keygen_writes_the_key_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from glm_pd_common.tools.cli import main
+
+    assert main(["keygen", str(tmp_path / "keys"), "--name", "site"]) == 0
+    path = tmp_path / "keys" / "site.key_secret"
+    assert str(path) in capsys.readouterr().out and stat.S_IMODE(path.stat().st_mode) == 0o600
+    public, secret = zmq.auth.load_certificate(tmp_path / "keys" / "site.key")
+    assert load_credential(str(path)).public == public and secret is None  # the .key file holds no secret
+    assert main(["keygen", str(tmp_path / "keys"), "--name", "site"]) == 2  # never replaced by accident
+    assert "exists" in capsys.readouterr().err
