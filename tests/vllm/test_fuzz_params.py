@@ -29,6 +29,7 @@ from vllm.v1.request import Request
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
+from glm_pd_common.handoff.wire.trust import Trust
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.tp import SUPPORTED_TP
 from glm_pd_vllm.params import MAX_BLOCKS, KvTransferParams
@@ -274,7 +275,7 @@ def test_an_accepted_host_is_one_the_side_channel_can_connect_to(params, host) -
     except ConfigError as exc:
         assert "remote_host" in str(exc)
         return
-    SideChannelClient(out.remote_host, out.remote_port).close()
+    SideChannelClient(out.remote_host, out.remote_port, Trust(insecure=True)).close()  # zmq's parse, not trust's
 
 
 @pytest.mark.parametrize("bad", [-1, INT64_MAX + 1, UINT64_MAX, 1 << 80])
