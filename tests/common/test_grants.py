@@ -53,6 +53,13 @@ def rivals(spec, **prefill_args: Any) -> Iterator[tuple[Prefill, SideChannelClie
         prefill.close()
 
 
+def served(client: SideChannelClient) -> None:
+    """Return once prefill has served everything ``client`` sent so far: one service thread answers each
+    connection's messages in order, so the answer to a query sent last comes after them."""
+    client.send(protocol.Query(v=V, engine_id="barrier"))
+    assert isinstance(client.recv(10.0), protocol.Hello)
+
+
 def refused(client: SideChannelClient) -> str:
     reply = client.recv(10.0)
     assert isinstance(reply, protocol.Failed) and reply.code == "refused_peer", reply
@@ -83,6 +90,7 @@ def test_renewals_from_another_decode_do_not_hold_a_lease(small_spec) -> None:
         prefill.service.grant("r", prefill.table[:2])
         wait_for(prefill.service.leftovers, lambda h: h["leases"] == 1, 10.0)
         owner.send(protocol.Renew(v=V, request_ids=["r"]))
+        served(owner)  # the owner's renewal came first
         ended = None
         deadline = time.monotonic() + 10 * lease_s
         while ended is None and time.monotonic() < deadline:
@@ -99,8 +107,7 @@ def test_an_abort_before_the_grant_drops_only_the_senders_own_claim(small_spec) 
                                             src_pages=src, dst_pages=[0, 1]))  # fmt: skip
         wait_for(prefill.service.leftovers, lambda h: h["early_claims"] == 1, 10.0)
         other.send(protocol.Abort(v=V, request_id="early", reason="not mine"))
-        other.send(protocol.Heartbeat(v=V, engine_id="other", seq=1))
-        time.sleep(0.2)  # the abort was served before the grant below (one service thread, messages in order)
+        served(other)  # the abort came before the grant below
         prefill.service.grant("early", table)
         assert isinstance(owner.recv(10.0), protocol.Claimed)
 
@@ -177,6 +184,5 @@ def test_renewing_another_decodes_streamed_transfer_does_not_take_its_lease(smal
         while isinstance(progress, protocol.Progress) and not progress.lease_id:
             progress = owner.recv(10.0)
         other.send(protocol.Renew(v=V, request_ids=["t"]))
-        other.send(protocol.Heartbeat(v=V, engine_id="other", seq=1))
-        time.sleep(0.2)  # served in order by the one service thread
+        served(other)  # its renewal came before the owner's claim
         assert isinstance(claim(owner, "t-lease", prefill.table[:2]), protocol.Claimed)
