@@ -124,13 +124,15 @@ class Server:
 
     def scheduler_state(self) -> dict[str, float]:
         """vLLM's own scheduler gauges from ``/metrics``: ``running``, ``waiting``, ``waiting_capacity`` (no
-        blocks or slots yet), ``waiting_deferred`` (e.g. loads in flight), ``kv_cache_usage`` (0..1)."""
+        blocks or slots yet), ``waiting_deferred`` (e.g. loads in flight), ``kv_cache_usage`` (0..1), and its
+        counter of tokens found in the local prefix cache, ``prefix_cache_hits``."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
             text = r.read().decode()
         names = {
             "vllm:num_requests_running": "running",
             "vllm:num_requests_waiting": "waiting",
             "vllm:kv_cache_usage_perc": "kv_cache_usage",
+            "vllm:prefix_cache_hits_total": "prefix_cache_hits",
         }
         out: dict[str, float] = {}
         for name, labels, value in re.findall(r"^(vllm:\w+)\{([^}]*)\} (\S+)$", text, re.M):
