@@ -36,6 +36,7 @@ from tests.support.vllm_faults import (
     LOADED,
     PREFIX,
     SHARER,
+    STREAMED,
     TIMEOUT_S,
     TOKEN_BYTES,
     FaultPair,
@@ -237,7 +238,7 @@ def test_client_gone_while_its_stream_waits_on_prefill(engines: dict, pair: Faul
     drops the transfer and frees the request's blocks as soon as it finishes (aborted, not at lease expiry)."""
     prefill, decode = pair.prefill, pair.decode
     offset, prefill_offset = decode.log_size(), prefill.log_size()
-    stream, leg, answer = stream_legs(pair, engines["model"], BLOCKED)
+    stream, leg, answer = stream_legs(pair, engines["model"], STREAMED["client_gone"])
     streaming(pair)
     prefill.signal(signal.SIGSTOP)
     try:
@@ -261,7 +262,7 @@ def test_prefill_killed_while_streaming(engines: dict, pair: FaultPair) -> None:
     within its timeout, frees its blocks, and serves the next one (from the session prefill)."""
     prefill, decode = pair.prefill, pair.decode
     offset = decode.log_size()
-    stream, leg, _ = stream_legs(pair, engines["model"], BLOCKED)
+    stream, leg, _ = stream_legs(pair, engines["model"], STREAMED["prefill_killed"])
     streaming(pair)
     prefill.signal(signal.SIGKILL)
     prefill.proc.wait(30)
@@ -278,7 +279,7 @@ def test_decode_killed_while_streaming(engines: dict, pair: FaultPair) -> None:
     request through the session decode with the reference tokens."""
     prefill, decode = pair.prefill, pair.decode
     prefill_offset = prefill.log_size()
-    stream, leg, answer = stream_legs(pair, engines["model"], BLOCKED)
+    stream, leg, answer = stream_legs(pair, engines["model"], STREAMED["decode_killed"])
     streaming(pair)
     prefill.signal(signal.SIGSTOP)
     try:

@@ -52,6 +52,9 @@ HOLDERS, HOLDER_TOKENS = [ids(1100, 2010), ids(1100, 2011)], 900
 LATE = ids(1950, 2004)  # waits for blocks longer than LEASE_S
 LOADED = ids(300, 2012)  # loads while its client goes away
 KILLED = ids(300, 2013)  # loads while its prefill is killed
+# Streamed while prefill computes them, one per case: a prompt prefill has cached (it caches prefixes on a CPU with
+# AMX) would be computed in one step, before decode's load could be seen waiting on it.
+STREAMED = {case: ids(1950, 2020 + i) for i, case in enumerate(("client_gone", "prefill_killed", "decode_killed"))}
 
 # (name, prompt, max_tokens) the reference pair runs beside tests/support/scenarios.RUNS, greedy with ignore_eos.
 FAULT_RUNS = [("healthy", HEALTHY, HEALTHY_TOKENS), ("sharer", SHARER, MAX_TOKENS), ("late", LATE, MAX_TOKENS)]
