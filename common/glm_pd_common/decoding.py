@@ -15,8 +15,8 @@ import msgspec
 from glm_pd_common.errors import ProtocolError
 
 T = TypeVar("T")
-# One decoder per type and thread (building one costs ~60 small decodes). One decoder shared by every thread of a
-# process broke streamed handoffs between real vLLM engines (tests/e2e); one per thread, they pass.
+# One decoder per type and thread: building one costs ~60 small decodes, and a thread never shares its decoders
+# (prefill's service thread, decode's lanes and SGLang's listeners all decode at once).
 _DECODERS = threading.local()
 
 
