@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.wire.trust import is_loopback
 from glm_pd_vllm.config import HOST_ENV
 
 
@@ -29,19 +30,16 @@ class RankAddress(KVConnectorHandshakeMetadata):
 def check_bindable(host: str, nodes: int) -> None:
     """Refuse, at start-up, a side-channel host decode cannot be told: a wildcard names no address, and a loopback
     one reaches only the node decode dials from, which is wrong for ranks on another node of the instance."""
-    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        ip = ipaddress.ip_address(literal)
+        unspecified = ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_unspecified
     except ValueError:
-        loopback, unspecified = host == "localhost", False
-    else:
-        loopback, unspecified = ip.is_loopback, ip.is_unspecified
+        unspecified = False  # a name
     if unspecified:
         raise ConfigError(
             f"side_channel_host {host!r} binds every interface but is no address decode can dial; set the node's "
             f"own address (kv_connector_extra_config['side_channel_host'], or {HOST_ENV} on each node)"
         )
-    if loopback and nodes > 1:
+    if is_loopback(host) and nodes > 1:
         raise ConfigError(
             f"this instance spans {nodes} nodes but its side channel is {host!r}: decode could not reach the ranks "
             f"of the other nodes; set {HOST_ENV} on each node to that node's address"

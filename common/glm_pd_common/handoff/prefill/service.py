@@ -31,7 +31,6 @@ the whole page table; they read while prefill still runs and claim the lease for
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
 import threading
@@ -40,15 +39,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from glm_pd_common.counted_log import CountedLog
 from glm_pd_common.errors import GlmPdError, LeaseExpired, PlanError, ProtocolError
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.clock import ServiceClock
 from glm_pd_common.handoff.prefill.lease import Lease, LeaseState, LeaseTable
+from glm_pd_common.handoff.prefill.peers import DecodePeer, DecodePeers
 from glm_pd_common.handoff.prefill.ready import ReadyEvent
 from glm_pd_common.handoff.prefill.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.wire import protocol
-from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.wire.sidechannel import SideChannelServer, SideChannelTimeout
 from glm_pd_common.layout.pages import suffix_pages
@@ -60,7 +61,6 @@ from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan
 logger = logging.getLogger(__name__)
 
 _QUEUED_PER_TURN = 256  # messages answered before expiry each turn; more wait a turn (grants are not starved)
-_REFUSALS_LOG_S = 1.0  # undecodable messages are logged at most this often, with their count
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,6 @@ class _Grant:
     pages: np.ndarray
     ready: ReadyEvent | None
     stream: tuple[str, int] | None  # a streamed request's (transfer id, prompt tokens)
-
-
-@dataclass
-class _Decode:
-    identity: bytes
-    peer: PeerView
-    agent: str  # its agent in our transport
-    last_seen: float = 0.0
-    proof: bytes = b""  # its hello's: a later hello under its agent name must repeat it (or find it silent)
 
 
 class PrefillService:
@@ -114,12 +105,12 @@ class PrefillService:
             peer_idle_s = max(lease_s + timeout_s, 3 * protocol.HEARTBEAT_S)
         self.peer_idle_s = peer_idle_s
         self._next_idle_check = 0.0
-        self._refusals, self._next_refusal_log = 0, 0.0  # undecodable messages not yet logged
+        self._refusals = CountedLog(logger, "glm-pd prefill: refused %d side-channel message(s), the latest: %s")
         self._clock = ServiceClock()
         self.server = SideChannelServer(host, port, local.trust)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)  # one per lease
         self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
-        self._decodes: dict[bytes, _Decode] = {}  # decode peers by side-channel identity
+        self._decodes = DecodePeers(caps.peers, peer_idle_s)
         self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance] = queue.SimpleQueue()  # engine calls, in order
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()  # what the engine may free
         self._stop = threading.Event()
@@ -223,22 +214,13 @@ class PrefillService:
         except SideChannelTimeout:
             return False
         except GlmPdError as exc:
-            self._refused(exc)
+            self._refusals.note(exc)  # a flood of undecodable frames is one log line a second
             return True
         finally:
             self._clock.checkpoint()
-        if ident in self._decodes:
-            self._decodes[ident].last_seen = self._clock.now()
+        self._decodes.seen(ident, self._clock.now())
         self._dispatch(ident, msg)
         return True
-
-    def _refused(self, exc: GlmPdError) -> None:
-        """Log undecodable messages at most once per ``_REFUSALS_LOG_S``, counted: a flood is one line a second."""
-        self._refusals += 1
-        now = time.monotonic()
-        if now >= self._next_refusal_log:
-            logger.warning("glm-pd prefill: refused %d side-channel message(s), the latest: %s", self._refusals, exc)
-            self._refusals, self._next_refusal_log = 0, now + _REFUSALS_LOG_S
 
     def _dispatch(self, ident: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, protocol.Query):
@@ -275,12 +257,12 @@ class PrefillService:
             why = f"prefill serves at most {self.caps.subscriptions} streamed subscriptions at once"
             self._fail(ident, msg.request_id, why, "refused_peer")
         else:
-            self._send_all(self._streams.subscribe(ident, msg, self._decodes[ident].peer.engine_id))
+            self._send_all(self._streams.subscribe(ident, msg, self._decodes.engine(ident)))
 
     def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
         t0 = time.monotonic()
-        if ident not in self._decodes and len(self._decodes) >= self.caps.peers:
-            self._fail(ident, "", f"prefill serves at most {self.caps.peers} decode peers at once", "refused_peer")
+        if full := self._decodes.full(ident):
+            self._fail(ident, "", full, "refused_peer")
             return
         try:  # a hello that fails its checks evicts nobody
             peer = accept_hello(
@@ -290,22 +272,14 @@ class PrefillService:
             logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
             self._fail(ident, "", str(exc), "refused_peer")
             return
-        now = self._clock.now()
-        for other in [d for d in self._decodes.values() if d.agent == peer.agent_name and d.identity != ident]:
-            same = bool(msg.proof) and hmac.compare_digest(msg.proof, other.proof)
-            if not same and now - other.last_seen <= self.peer_idle_s:
-                why = (
-                    f"decode agent {protocol.clip(peer.agent_name, 80)} is connected and live; a hello under its "
-                    f"name that cannot prove to be it evicts nothing (a restarted decode is accepted once the old "
-                    f"connection has been silent {self.peer_idle_s:.0f} s)"
-                )
-                logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, why)
-                self._fail(ident, "", why, "refused_peer")
-                return
+        if why := self._decodes.impostor(ident, peer.agent_name, msg.proof, self._clock.now()):
+            logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, why)
+            self._fail(ident, "", why, "refused_peer")
+            return
         self._forget(ident, "it said hello again")
         try:
-            for other_ident in [d.identity for d in self._decodes.values() if d.agent == peer.agent_name]:
-                self._forget(other_ident, "its agent said hello on a new connection (a restart or a re-handshake)")
+            for other in self._decodes.named(peer.agent_name):
+                self._forget(other, "its agent said hello on a new connection (a restart or a re-handshake)")
             agent = self.local.transport.add_peer(peer.agent_metadata, peer.spans)
             if agent != peer.agent_name:
                 self.local.transport.remove_peer(agent)
@@ -314,7 +288,7 @@ class PrefillService:
             logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
             self._fail(ident, "", str(exc), "refused_peer")
             return
-        self._decodes[ident] = _Decode(ident, peer, agent, self._clock.now(), msg.proof)
+        self._decodes.add(DecodePeer(ident, peer, agent, self._clock.now(), msg.proof))
         self.server.send(ident, self.local.hello(self.local.transport.metadata()))
         logger.info("glm-pd prefill: decode %s accepted in %.1f ms", msg.engine_id, (time.monotonic() - t0) * 1e3)
 
@@ -363,7 +337,7 @@ class PrefillService:
         if ident not in self._decodes:
             logger.debug("glm-pd prefill: ignored a renewal of %d lease(s) from an unknown peer", len(msg.request_ids))
             return
-        engine = self._decodes[ident].peer.engine_id
+        engine = self._decodes.engine(ident)
         mine = [i for i in msg.request_ids if self._streams.owned(i, engine)]  # another's transfer: not renewed
         for request_id in [self._streams.lease_of(i) or i for i in mine]:  # a transfer id: its lease
             if not self._leases.may_act(request_id, engine):
@@ -392,7 +366,7 @@ class PrefillService:
             self._wait(ident, msg, len(msg.src_pages) + len(msg.dst_pages))
             return
         decode = self._decodes[ident]
-        if not self._leases.may_act(msg.request_id, decode.peer.engine_id):
+        if not self._leases.may_act(msg.request_id, self._decodes.engine(ident)):
             self._not_theirs(ident, msg.request_id)
             return
         try:
@@ -454,7 +428,7 @@ class PrefillService:
             # possibly before the engine hands the finished request over: it waits as a claim does
             self._wait(ident, msg, 0)
             return
-        if not self._leases.may_act(msg.request_id, self._decodes[ident].peer.engine_id):
+        if not self._leases.may_act(msg.request_id, self._decodes.engine(ident)):
             self._not_theirs(ident, msg.request_id)
             return
         # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
@@ -471,7 +445,7 @@ class PrefillService:
     def _on_abort(self, ident: bytes, msg: protocol.Abort) -> None:
         """A decode gives up on a lease or a streamed transfer of its own; one not granted yet loses only this
         decode's waiting message, and another decode's is refused (nothing changes)."""
-        engine = self._decodes[ident].peer.engine_id
+        engine = self._decodes.engine(ident)
         lease = self._leases.get(msg.request_id)
         if not self._leases.may_act(msg.request_id, engine) or not self._streams.owned(msg.request_id, engine):
             self._not_theirs(ident, msg.request_id)
@@ -491,24 +465,24 @@ class PrefillService:
     def _forget_silent(self, now: float) -> None:
         self._next_idle_check = now + min(1.0, self.peer_idle_s / 4)
         reading = self._leases.awaiting_answer()
-        for d in [d for d in self._decodes.values() if now - d.last_seen > self.peer_idle_s]:
+        for d in self._decodes.silent(now):
             if d.identity not in reading:
                 self._forget(d.identity, f"silent for {now - d.last_seen:.1f} s, holding no claim")
 
     def _forget(self, ident: bytes, why: str) -> None:
         """Drop a decode peer and what was kept for it (its agent, plans, waiting claims); leases stay."""
-        decode = self._decodes.pop(ident, None)
+        decode = self._decodes.pop(ident)
         self._streams.drop_subscriber(ident)
         self._leases.forget_peer(ident)
         if decode is not None:
             self.local.transport.remove_peer(decode.agent)
             logger.info("glm-pd prefill: forgot decode %s: %s", decode.peer.engine_id, why)
 
-    def _layouts(self, decode: _Decode) -> tuple[SideLayout, SideLayout]:
+    def _layouts(self, decode: DecodePeer) -> tuple[SideLayout, SideLayout]:
         g = self.local.spec.geometry
         return SideLayout.of_shape(self.local.shape, g), SideLayout.of_shape(decode.peer.shape, g)
 
-    def _serves(self, decode: _Decode) -> tuple[Source, TokenShard]:
+    def _serves(self, decode: DecodePeer) -> tuple[Source, TokenShard]:
         """What this rank serves that decode rank (the same pairing decode computed), and decode's token shard."""
         rank = decode.peer.shape.tp_rank
         source = source_for(self.local.shape.tp_rank, rank, *self._layouts(decode))
@@ -516,7 +490,7 @@ class PrefillService:
             raise PlanError(f"decode rank {rank} reads nothing from prefill rank {self.local.shape.tp_rank}")
         return source, token_shard(rank, decode.peer.shape.sharding)
 
-    def _releases_from(self, decode: _Decode) -> int:
+    def _releases_from(self, decode: DecodePeer) -> int:
         return expected_releases(self.local.shape.tp_rank, *self._layouts(decode))
 
     def _not_theirs(self, ident: bytes, request_id: str) -> None:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from glm_pd_common.counted_log import CountedLog
 from glm_pd_common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,6 @@ ENV_SOURCE = "env:"  # a credential source "env:NAME": the variable NAME holds t
 ZAP_DOMAIN = "glm-pd"
 HANDSHAKE_S = 5.0  # a connection that has not completed its handshake by then is closed (ZeroMQ's default: 30 s)
 HEARTBEAT_S = 5.0  # ZMTP pings on an idle connection; one silent for 3 intervals is closed
-_DENIALS_LOG_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -181,21 +179,10 @@ class _DeploymentKey:
 
     def __init__(self, public: bytes) -> None:
         self._public = public
-        self._lock = threading.Lock()
-        self.denied = 0
-        self._unlogged, self._next_log = 0, 0.0
+        self.denied = CountedLog(logger, "glm-pd side channel: refused %d handshake(s) without this deployment's key%s")
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         if client_key == self._public:
             return True
-        with self._lock:
-            self.denied += 1
-            self._unlogged += 1
-            now = time.monotonic()
-            if now >= self._next_log:
-                logger.warning(
-                    "glm-pd side channel: refused %d handshake(s) from peers without this deployment's credential",
-                    self._unlogged,
-                )
-                self._unlogged, self._next_log = 0, now + _DENIALS_LOG_S
+        self.denied.note()
         return False

@@ -1,0 +1,82 @@
+"""The decode peers a prefill rank has accepted: who they are, when each was last heard, and which new hello may
+join them. A hello is admitted within the cap on peers, and one under a live peer's agent name only if it repeats
+that peer's proof (the same decode process on a new connection): another peer borrowing the name evicts nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.handshake import PeerView
+
+
+@dataclass
+class DecodePeer:
+    identity: bytes  # its side-channel identity
+    peer: PeerView
+    agent: str  # its agent in our transport
+    last_seen: float = 0.0
+    proof: bytes = b""  # its hello's: a later hello under its agent name must repeat it (or find it silent)
+
+
+class DecodePeers:
+    """By side-channel identity; ``idle_s``: past this silence a peer is gone (a live one heartbeats)."""
+
+    def __init__(self, cap: int, idle_s: float) -> None:
+        self.cap, self.idle_s = cap, idle_s
+        self._by_ident: dict[bytes, DecodePeer] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_ident)
+
+    def __contains__(self, ident: object) -> bool:
+        return ident in self._by_ident
+
+    def __getitem__(self, ident: bytes) -> DecodePeer:
+        return self._by_ident[ident]
+
+    def __iter__(self) -> Iterator[DecodePeer]:
+        return iter(list(self._by_ident.values()))
+
+    def engine(self, ident: bytes) -> str:
+        """The decode engine ``ident`` belongs to (what leases and streams are owned by)."""
+        return self._by_ident[ident].peer.engine_id
+
+    def seen(self, ident: bytes, now: float) -> None:
+        if ident in self._by_ident:
+            self._by_ident[ident].last_seen = now
+
+    def full(self, ident: bytes) -> str:
+        """Why a hello from ``ident`` cannot join (the cap), or ""."""
+        if ident not in self._by_ident and len(self._by_ident) >= self.cap:
+            return f"prefill serves at most {self.cap} decode peers at once"
+        return ""
+
+    def impostor(self, ident: bytes, agent: str, proof: bytes, now: float) -> str:
+        """Why a hello under ``agent`` from ``ident`` must not evict the live peer of that name, or ""."""
+        for other in self._by_ident.values():
+            if other.agent != agent or other.identity == ident:
+                continue
+            same = bool(proof) and hmac.compare_digest(proof, other.proof)
+            if not same and now - other.last_seen <= self.idle_s:
+                return (
+                    f"decode agent {protocol.clip(agent, 80)} is connected and live; a hello under its name that "
+                    f"cannot prove to be it evicts nothing (a restarted decode is accepted once the old connection "
+                    f"has been silent {self.idle_s:.0f} s)"
+                )
+        return ""
+
+    def named(self, agent: str) -> list[bytes]:
+        return [p.identity for p in self._by_ident.values() if p.agent == agent]
+
+    def add(self, peer: DecodePeer) -> None:
+        self._by_ident[peer.identity] = peer
+
+    def pop(self, ident: bytes) -> DecodePeer | None:
+        return self._by_ident.pop(ident, None)
+
+    def silent(self, now: float) -> list[DecodePeer]:
+        return [p for p in self._by_ident.values() if now - p.last_seen > self.idle_s]
