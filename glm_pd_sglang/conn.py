@@ -35,6 +35,7 @@ from sglang.srt.utils.network import NetworkAddress, get_zmq_socket_on_host
 from zmq.auth.thread import ThreadAuthenticator
 
 from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
+from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.faults import HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.wire import protocol
@@ -125,6 +126,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         for t in self._threads:
             if not t.is_alive():
                 t.start()
+        self._withdraw_exit = close_at_exit(self.close)
 
     def register_to_bootstrap(self) -> None:
         """SGLang's registration of this prefill rank, its address being that of the authenticated socket."""
@@ -242,7 +244,9 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         return held
 
     def close(self) -> None:
-        """Stop the threads and free the transport (tests and shutdown; SGLang has no manager close)."""
+        """Stop the threads and free the transport (tests, and this process's exit: SGLang has no manager
+        close)."""
+        self._withdraw_exit()
         self._stop.set()
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self._heartbeat_shutdown.set()

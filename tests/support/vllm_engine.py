@@ -162,11 +162,17 @@ class Engine:
         self.workers = [
             KVConnectorFactory.create_connector(c, KVConnectorRole.WORKER, kv_cache_config) for c in configs
         ]
-        for worker, caches in zip(self.workers, self.caches, strict=True):
-            worker.register_kv_caches(kv_caches(caches))
-        # as EngineCore once the caches are registered: each worker's handshake metadata to the scheduler's side
-        published = {(0, rank): worker.get_handshake_metadata() for rank, worker in enumerate(self.workers)}
-        self.connector.set_xfer_handshake_metadata_pp_aware({k: m for k, m in published.items() if m is not None})
+        try:
+            for worker, caches in zip(self.workers, self.caches, strict=True):
+                worker.register_kv_caches(kv_caches(caches))
+            # as EngineCore once the caches are registered: each worker's handshake metadata to the scheduler
+            published = {(0, rank): worker.get_handshake_metadata() for rank, worker in enumerate(self.workers)}
+            self.connector.set_xfer_handshake_metadata_pp_aware({k: m for k, m in published.items() if m is not None})
+        except BaseException:
+            # a refused start-up ends vLLM's engine process, and with it the workers' services
+            for worker in self.workers:
+                worker.shutdown()
+            raise
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0], len(self.workers))
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)

@@ -30,6 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from glm_pd_common.errors import GlmPdError, ProtocolError
+from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.decode.feeds import Feed
 from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
 from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code
@@ -117,6 +118,7 @@ class DecodeService:
             idle=self._heartbeat,
             start=local.on_thread,
         )
+        self._withdraw_exit = close_at_exit(self.close)
 
     # -- engine-facing, thread-safe ---------------------------------------------------------------
     def submit(self, job: LoadJob) -> None:
@@ -155,6 +157,7 @@ class DecodeService:
         }
 
     def close(self) -> None:
+        self._withdraw_exit()
         self._lanes.close(self.timeout_s + 5)
         self._links.close()
 

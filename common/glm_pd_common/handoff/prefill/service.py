@@ -41,6 +41,7 @@ import numpy as np
 
 from glm_pd_common.counted_log import CountedLog
 from glm_pd_common.errors import GlmPdError, LeaseExpired, PlanError, ProtocolError
+from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.clock import ServiceClock
 from glm_pd_common.handoff.prefill.lease import Lease, LeaseState, LeaseTable
@@ -116,6 +117,7 @@ class PrefillService:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{local.engine_id}", daemon=True)
         self._thread.start()
+        self._withdraw_exit = close_at_exit(self.close)
 
     @property
     def port(self) -> int:
@@ -169,6 +171,7 @@ class PrefillService:
         }
 
     def close(self) -> None:
+        self._withdraw_exit()
         self._stop.set()
         self.server.wake()
         self._thread.join(timeout=10)
