@@ -166,7 +166,7 @@ def test_failed_load_spares_a_stream_sharing_its_prefix(engines: dict, pair: Fau
     assert moved.get("loads_ok") == 1 and moved.get("loads_failed") == 1, moved
     since = decode.log_size()
     retry = disaggregated(prefill, decode, model, SHARER, ignore_eos=True)
-    assert retry["choices"][0]["token_ids"] == engines["reference"]["sharer"]
+    assert retry["choices"][0]["token_ids"] == engines["reference"]["sharer-retry"]
     block = decode.configured()["block_size"]
     suffix = -(-len(SHARER) // block) * block - len(PREFIX)  # whole blocks past the prefix decode still holds
     assert decode.transfer_metrics(since, loads=1)["bytes_main"] == suffix * TOKEN_BYTES

@@ -56,8 +56,16 @@ KILLED = ids(300, 2013)  # loads while its prefill is killed
 # AMX) would be computed in one step, before decode's load could be seen waiting on it.
 STREAMED = {case: ids(1950, 2020 + i) for i, case in enumerate(("client_gone", "prefill_killed", "decode_killed"))}
 
-# (name, prompt, max_tokens) the reference pair runs beside tests/support/scenarios.RUNS, greedy with ignore_eos.
-FAULT_RUNS = [("healthy", HEALTHY, HEALTHY_TOKENS), ("sharer", SHARER, MAX_TOKENS), ("late", LATE, MAX_TOKENS)]
+# (name, prompt, max_tokens) the reference pair runs after tests/support/scenarios.RUNS, greedy with ignore_eos, in
+# order, on a pair whose prefill chunks as the fault prefill does: each prompt meets the caches its case leaves, as
+# the bytes (and so this random-weight model's tokens) follow how each block was computed. SHARER runs as the failed
+# load's prefill leg (its prefix cached), then as the retry (prefill recomputes its last block, decode loads it).
+FAULT_RUNS = [
+    ("healthy", HEALTHY, HEALTHY_TOKENS),
+    ("sharer", SHARER, MAX_TOKENS),
+    ("sharer-retry", SHARER, MAX_TOKENS),
+    ("late", LATE, MAX_TOKENS),
+]
 
 
 def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], timeout_s: float, what: str) -> T:
