@@ -30,12 +30,13 @@ export PYTHONPATH="$site:$PWD:$PWD/common${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export UCX_PROTO_INFO=${UCX_PROTO_INFO:-y}  # UCX prints the protocol it picks (cuda_ipc, or a fallback)
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>/dev/null || true
-# The device digests, the fault injector's VRAM corruption, glm-pd threads' device (two GPUs) and the grant
-# event recorded before the forward first (tests/gpu/test_*.py, ~20 s),
+# The device digests, the fault injector's VRAM corruption, glm-pd threads' device (two GPUs), the grant
+# event recorded before the forward, and the GPU data path UCX picks (doctor's probe) first (tests/gpu/test_*.py,
+# ~30 s),
 # where CUDA, torch and pytest are there (pytest travels with the wheels); then the smoke, which names what is missing.
 if python3 -c "import msgspec, pytest, torch; assert torch.cuda.is_available()" 2>/dev/null; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" tests/gpu/test_device_digests.py \
-    tests/gpu/test_thread_device.py tests/gpu/test_grant_event.py \
+    tests/gpu/test_thread_device.py tests/gpu/test_grant_event.py tests/gpu/test_datapath.py \
     || exit 1
 fi
 exec timeout 470 python3 -m tests.gpu.smoke "$@"

@@ -1,8 +1,8 @@
 """``glm-pd doctor``: check one node before deployment; every failing line says how to fix it.
 
 It never imports torch or the engines: GPU visibility is read from the driver (and from torch in a child
-process when torch is installed), and the UCX data path is observed, not guessed, by a loopback READ in a
-child process run with ``UCX_PROTO_INFO=y``.
+process when torch is installed), and the UCX data path is observed, not guessed, by a loopback READ and WRITE
+between child processes run with ``UCX_PROTO_INFO=y``: on host memory, and on GPU memory where a GPU is visible.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import ctypes.util
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +22,9 @@ from glm_pd_common.errors import GlmPdError
 from glm_pd_common.layout.shards import describe
 from glm_pd_common.tools.args import add_model_args, cache_spec
 from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, installed
+from glm_pd_common.tools.ucxprobe import OPERATIONS
 from glm_pd_common.transport.base import rdma_devices
+from glm_pd_common.transport.datapath import Selection, between_peers, judge_gpu_path, parse
 from glm_pd_common.transport.mooncake import gpu_memory_refusal, installed_wheel
 
 _NO_TORCH_NIXL = "without torch: pip install pyzmq, then pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
@@ -119,64 +120,44 @@ def check_rdma() -> list[Check]:
     ]
 
 
-_TRANSPORT_TOKEN = re.compile(
-    r"\b((?:rc|dc|ud|cma|tcp|sysv|posix|cuda_ipc|cuda_copy|gdr_copy|self|knem|xpmem)"
-    r"[a-z0-9_]*/[A-Za-z0-9_:.\-]+)"
-)
-
-
-def parse_proto_info(text: str) -> dict[str, list[str]]:
-    """UCX_PROTO_INFO tables -> {operation: transports}, e.g. {"remote memory read ...": ["cma/memory"]}."""
-    out: dict[str, set[str]] = {}
-    operation = None
-    for line in text.splitlines():
-        cell = line.split("|")[1].strip() if line.count("|") >= 2 else ""
-        if " by ucp_" in cell:
-            operation = cell
-            out.setdefault(operation, set())
-        elif operation is not None:
-            out[operation].update(m.group(1) for m in _TRANSPORT_TOKEN.finditer(line))
-    return {op: sorted(tls) for op, tls in out.items()}
-
-
-def observed_ucx_path(timeout_s: float = 90.0) -> tuple[dict[str, list[str]], str]:
-    """Run a loopback READ in a child process with UCX_PROTO_INFO=y; return what UCX chose per operation."""
+def observed_ucx_path(memory: str, timeout_s: float = 90.0) -> tuple[list[Selection], str]:
+    """Run a loopback READ and WRITE on ``memory`` in child processes with UCX_PROTO_INFO=y; UCX's choices."""
     env = dict(os.environ, UCX_PROTO_INFO="y", PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "glm_pd_common.tools.ucxprobe"],
+        [sys.executable, "-m", "glm_pd_common.tools.ucxprobe", "--memory", memory],
         capture_output=True,
         text=True,
         env=env,
         timeout=timeout_s,
     )
     text = proc.stdout + proc.stderr
-    return parse_proto_info(text), "" if proc.returncode == 0 else f"probe exited {proc.returncode}: {text[-400:]}"
+    return parse(text), "" if proc.returncode == 0 else f"probe exited {proc.returncode}: {text[-400:]}"
 
 
-def check_ucx_path() -> list[Check]:
+def check_ucx_path(memory: str) -> list[Check]:
+    """What UCX picks between two processes of this node, for READ (pull) and WRITE (push) on ``memory``."""
+    name = f"ucx data path ({memory})"
     try:
-        ops, err = observed_ucx_path()
+        selections, err = observed_ucx_path(memory)
     except subprocess.TimeoutExpired:
-        return [Check("FAIL", "ucx data path", "loopback probe did not finish in 90 s", "check UCX_* settings")]
+        return [Check("FAIL", name, "loopback probe did not finish in 90 s", "check UCX_* settings")]
     if err:
-        return [Check("FAIL", "ucx data path", err, "run with UCX_LOG_LEVEL=info for details")]
-    reads = sorted({t for op, tls in ops.items() if op.startswith("remote memory read") for t in tls})
-    messages = sorted({t for op, tls in ops.items() if op.startswith("active message") for t in tls})
-    rdma = [t for t in reads if t.split("/")[0].startswith(("rc", "dc", "ud"))]
-    detail = (
-        f"UCX chose {', '.join(reads) or 'nothing visible'} for READs and "
-        f"{', '.join(messages) or 'nothing visible'} for messages (loopback probe)"
-    )
-    if rdma:
-        return [Check("PASS", "ucx data path", detail)]
-    return [
-        Check(
-            "WARN",
-            "ucx data path",
-            detail + " (no RDMA transport: between hosts this is tcp)",
-            "set UCX_NET_DEVICES to the RDMA ports (e.g. mlx5_0:1) and do not restrict UCX_TLS to tcp",
-        )
-    ]
+        return [Check("FAIL", name, err, "run with UCX_LOG_LEVEL=info for details")]
+    checks = []
+    for op in OPERATIONS:
+        chosen = between_peers(selections, op, memory)
+        if chosen is None:
+            checks.append(Check("WARN", name, f"UCX printed no {op} table for {memory} memory", "set UCX_PROTO_INFO=y"))
+        elif memory == "cuda":
+            verdict = judge_gpu_path(chosen, allow_tcp=False)
+            checks.append(Check("PASS" if verdict.accepted else "FAIL", name, verdict.detail, verdict.fix))
+        elif chosen.path == "rdma":
+            checks.append(Check("PASS", name, chosen.describe()))
+        else:
+            detail = f"{chosen.describe()}: no RDMA transport, so between hosts this is tcp"
+            fix = "set UCX_NET_DEVICES to the RDMA ports (e.g. mlx5_0:1) and do not restrict UCX_TLS to tcp"
+            checks.append(Check("WARN", name, detail, fix))
+    return checks
 
 
 def check_gpus() -> list[Check]:
@@ -256,7 +237,9 @@ def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
 def run(args: argparse.Namespace) -> int:
     checks = check_side_channel() + check_transports() + check_rdma() + check_gpus()
     if not args.skip_probe and _version("nixl"):
-        checks += check_ucx_path()
+        checks += check_ucx_path("host")
+        if _gpus() and importlib.util.find_spec("torch") is not None:
+            checks += check_ucx_path("cuda")  # GPU caches move between GPU buffers: observe that path too
     if args.peer:
         checks += check_peer(args.peer, args)
     if args.json:

@@ -1,35 +1,59 @@
-"""A tiny loopback READ over NIXL between this process and a peer process, for ``glm-pd doctor``.
+"""A tiny loopback READ and WRITE over NIXL between this process and a peer process, for ``glm-pd doctor``.
 
-Run under ``UCX_PROTO_INFO=y`` so UCX prints the protocol and transports it really selects; the doctor
-parses that output. TCP is allowed here: the probe observes what would be used, it does not serve.
+Run under ``UCX_PROTO_INFO=y`` so UCX prints the protocol and transports it really selects (parsed by
+``transport.datapath``). Host memory, or GPU memory (``--memory cuda``: a buffer on GPU 0 in both processes, as a
+node's prefill and decode ranks would hold, through torch). TCP is allowed here: the probe observes what would be
+used, it does not serve.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import select
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
-from glm_pd_common.tools.flat import flat_region
-from glm_pd_common.transport.base import Span, TransportConfig
+from glm_pd_common.layout.regions import Region
+from glm_pd_common.tools.flat import flat_region, flat_span
+from glm_pd_common.transport.base import Op, Span, TransportConfig
 from glm_pd_common.transport.factory import create_transport
 
 PROBE_BYTES = 4 << 20
+OPERATIONS: tuple[Op, ...] = ("READ", "WRITE")  # pull (vLLM) reads prefill's pages; push (SGLang) writes decode's
 
 
-def serve() -> int:
-    """The passive side: one flat buffer registered and announced, progressed (``notifs``) until stdin closes."""
-    buf = np.ones(PROBE_BYTES, dtype=np.uint8)
+def _buffer(memory: str) -> tuple[Region, Callable[[], object]]:
+    """A PROBE_BYTES buffer in ``memory`` as a region, and what keeps it alive."""
+    if memory == "cuda":
+        import torch
+
+        gpu = torch.ones(PROBE_BYTES, dtype=torch.uint8, device="cuda:0")
+        return flat_span(gpu.data_ptr(), PROBE_BYTES, "VRAM", 0), lambda: gpu
+    host = np.ones(PROBE_BYTES, dtype=np.uint8)
+    return flat_region(host), lambda: host
+
+
+def _announce(transport, region: Region) -> dict:
+    return {"metadata": base64.b64encode(transport.metadata()).decode(),
+            "span": [region.base_addr, region.size_bytes, region.mem_kind, region.device_id]}  # fmt: skip
+
+
+def _span(announced: dict) -> Span:
+    base, size, mem_kind, device_id = announced["span"]
+    return Span("probe", base, size, mem_kind, device_id)
+
+
+def serve(memory: str) -> int:
+    """The passive side: one buffer registered and announced, progressed (``notifs``) until stdin closes."""
+    region, _keep = _buffer(memory)
     transport = create_transport("probe-peer", TransportConfig(backend="nixl", allow_tcp=True, timeout_s=30))
-    region = flat_region(buf)
     transport.register([region])
-    announce = {"metadata": base64.b64encode(transport.metadata()).decode(),
-                "regions": [[region.kind, region.layer_id, region.base_addr, region.size_bytes]]}  # fmt: skip
-    print("PEER " + json.dumps(announce), flush=True)
+    print("PEER " + json.dumps(_announce(transport, region)), flush=True)
     while True:
         transport.notifs()  # UCX progresses only when polled, as an engine's loop polls it
         if not select.select([sys.stdin], [], [], 0.001)[0]:
@@ -38,52 +62,53 @@ def serve() -> int:
         if not line:
             break
         cmd = json.loads(line)
-        spans = [Span(f"{k}[{lay}]", base, size) for k, lay, base, size in cmd["spans"]]
-        transport.add_peer(base64.b64decode(cmd["add_peer"]), spans)
+        transport.add_peer(base64.b64decode(cmd["metadata"]), [_span(cmd)])
     transport.close()
     return 0
 
 
-def main() -> int:
-    """The active side: start the passive one, READ its buffer once, report."""
+def probe(memory: str) -> int:
+    """The active side: start the passive one, READ its buffer once and WRITE it once, report."""
     peer = subprocess.Popen(
-        [sys.executable, "-m", "glm_pd_common.tools.ucxprobe", "--serve"],
+        [sys.executable, "-m", "glm_pd_common.tools.ucxprobe", "--serve", "--memory", memory],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert peer.stdin is not None and peer.stdout is not None  # both are PIPEs
-        hello = next(json.loads(ln[5:]) for ln in peer.stdout if ln.startswith("PEER "))
-        buf = np.zeros(PROBE_BYTES, dtype=np.uint8)
+        hello = next((json.loads(ln[5:]) for ln in peer.stdout if ln.startswith("PEER ")), None)
+        if hello is None:
+            print(f"the probe's peer process exited ({peer.wait()}) before announcing its {memory} buffer")
+            return 1
+        region, _keep = _buffer(memory)
         transport = create_transport("probe", TransportConfig(backend="nixl", allow_tcp=True, timeout_s=30))
-        region = flat_region(buf)
         transport.register([region])
-        spans = [Span(f"{k}[{lay}]", base, size) for k, lay, base, size in hello["regions"]]
-        agent = transport.add_peer(base64.b64decode(hello["metadata"]), spans)
-        peer.stdin.write(
-            json.dumps(
-                {
-                    "add_peer": base64.b64encode(transport.metadata()).decode(),
-                    "spans": [[region.kind, region.layer_id, region.base_addr, region.size_bytes]],
-                }
-            )
-            + "\n"
-        )
+        remote = _span(hello)
+        agent = transport.add_peer(base64.b64decode(hello["metadata"]), [remote])
+        peer.stdin.write(json.dumps(_announce(transport, region)) + "\n")
         peer.stdin.flush()
-        remote = spans[-1]
-        xfer = transport.post(
-            agent, "READ", np.array([buf.ctypes.data]), np.array([remote.base_addr]), np.array([PROBE_BYTES])
-        )
-        transport.wait(xfer)
-        transport.release(xfer)
+        for op in OPERATIONS:
+            xfer = transport.post(
+                agent, op, np.array([region.base_addr]), np.array([remote.base_addr]), np.array([PROBE_BYTES])
+            )
+            transport.wait(xfer)
+            transport.release(xfer)
         transport.close()
-        print(json.dumps({"probe": "ok", "bytes": PROBE_BYTES}))
+        print(json.dumps({"probe": "ok", "memory": memory, "bytes": PROBE_BYTES, "operations": OPERATIONS}))
         return 0
     finally:
         peer.kill()
         peer.wait()
 
 
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m glm_pd_common.tools.ucxprobe")
+    parser.add_argument("--memory", choices=("host", "cuda"), default="host")
+    parser.add_argument("--serve", action="store_true", help="the passive side (started by the active one)")
+    args = parser.parse_args()
+    return serve(args.memory) if args.serve else probe(args.memory)
+
+
 if __name__ == "__main__":
-    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main())
+    sys.exit(main())

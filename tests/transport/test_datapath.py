@@ -1,0 +1,68 @@
+"""The data path read from UCX's own protocol tables (recorded ones: this machine's, and GPU tables from public
+reports), and the rule for GPU caches: cuda_ipc and RDMA pass, software emulation and tcp are refused unless the
+operator allowed TCP, naming what UCX chose and the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from glm_pd_common.transport.datapath import between_peers, judge_gpu_path, parse
+
+TABLES = Path(__file__).parent / "data" / "ucx_proto"
+
+
+def chosen(name: str, operation: str, memory: str):
+    selection = between_peers(parse((TABLES / name).read_text()), operation, memory)
+    assert selection is not None, f"{name}: no {operation} on {memory} memory between peers"
+    return selection
+
+
+def test_this_machines_loopback_reads_host_memory_by_cma():
+    read = chosen("host_cma.txt", "READ", "host")
+    assert (read.protocol, read.transports, read.path) == ("zero-copy", ("cma/memory",), "shared memory")
+    assert read.endpoint == "probe intra-node cfg#1"  # not the agent's endpoint to itself (self cfg#0)
+
+
+def test_tcp_only_reads_are_emulated_and_writes_go_over_tcp():
+    read, write = chosen("host_tcp.txt", "READ", "host"), chosen("host_tcp.txt", "WRITE", "host")
+    assert (read.protocol, read.transports, read.path) == ("software emulation", ("tcp/lo",), "emulation")
+    assert (write.protocol, write.transports, write.path) == ("zero-copy", ("tcp/lo", "tcp/eth0"), "tcp")
+
+
+def test_the_bulk_row_decides_not_the_small_messages():
+    read = chosen("cuda_get_rc_mlx5.txt", "READ", "cuda")  # 1..64 bytes are emulated there
+    assert (read.protocol, read.path) == ("zero-copy", "rdma")
+    assert judge_gpu_path(read, allow_tcp=False).accepted
+
+
+@pytest.mark.parametrize(
+    ("table", "operation", "path"),
+    [("cuda_get_cuda_ipc.txt", "READ", "cuda_ipc"), ("cuda_put_rc_mlx5.txt", "WRITE", "rdma")],
+)
+def test_cuda_ipc_and_rdma_carry_gpu_caches_without_allow_tcp(table, operation, path):
+    selection = chosen(table, operation, "cuda")
+    assert selection.path == path
+    verdict = judge_gpu_path(selection, allow_tcp=False)
+    assert verdict.accepted and selection.transports[0] in verdict.detail
+
+
+@pytest.mark.parametrize(("table", "transport"), [("cuda_get_tcp.txt", "tcp/lo"), ("cuda_get_sysv.txt", "sysv")])
+def test_an_emulated_gpu_read_is_refused_naming_what_ucx_chose_and_the_fix(table, transport):
+    read = chosen(table, "READ", "cuda")
+    refused = judge_gpu_path(read, allow_tcp=False)
+    assert not refused.accepted
+    assert "software emulation" in refused.detail and transport in refused.detail
+    assert "UCX_RMA_PPLN_ENABLE=y" in refused.fix and "allow_tcp" in refused.fix
+    allowed = judge_gpu_path(read, allow_tcp=True)
+    assert allowed.accepted and "allow_tcp" in allowed.detail
+
+
+def test_a_gpu_write_over_tcp_is_refused_with_the_nic_fix():
+    write = chosen("host_tcp.txt", "WRITE", "host")
+    on_gpu = type(write)(write.endpoint, "WRITE", "cuda", "cuda", write.protocol, write.transports)
+    refused = judge_gpu_path(on_gpu, allow_tcp=False)
+    assert not refused.accepted and "tcp/lo" in refused.detail and "UCX_NET_DEVICES" in refused.fix
+
+
+def test_no_table_for_the_memory_asked_is_none():
+    assert between_peers(parse((TABLES / "host_cma.txt").read_text()), "READ", "cuda") is None
