@@ -195,6 +195,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
                 allow_tcp=self.glm_config.allow_tcp,
                 timeout_s=self.glm_config.timeout_s,
                 devices=rank_ib_devices(getattr(args, "ib_device", None), gpu_id),
+                posts="WRITE" if prefill else None,  # prefill pushes; decode's pages are only written
             ),
         )
         transport.register([*self.caches.regions, *self.caches.aux])

@@ -102,6 +102,7 @@ class GlmPdWorker:
                 host=self.config.side_channel_host,
                 allow_tcp=self.config.allow_tcp,
                 timeout_s=self.config.timeout_s,
+                posts="READ" if self.is_consumer else None,  # decode pulls; prefill's pages are only read
             ),
         )
         self.transport.register(regions)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from glm_pd_common.tools.doctor import check_ucx_path, observed_ucx_path
-from glm_pd_common.transport.datapath import between_peers, judge_gpu_path
+from glm_pd_common.tools.doctor import check_ucx_path
+from glm_pd_common.transport.datapath import between_peers, judge_gpu_path, observe
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_ucx_prints_a_table_for_gpu_reads_and_writes_and_the_doctor_reports_it():
-    selections, err = observed_ucx_path("cuda")
+    selections, err = observe("cuda")
     assert not err, err
     for op in ("READ", "WRITE"):
         chosen = between_peers(selections, op, "cuda")
@@ -33,7 +33,28 @@ def test_ucx_prints_a_table_for_gpu_reads_and_writes_and_the_doctor_reports_it()
 
 def test_pipelined_reads_take_cuda_ipc(monkeypatch):
     monkeypatch.setenv("UCX_RMA_PPLN_ENABLE", "y")
-    selections, err = observed_ucx_path("cuda")
+    selections, err = observe("cuda")
     assert not err, err
     read = between_peers(selections, "READ", "cuda")
     assert read is not None and judge_gpu_path(read, allow_tcp=False).accepted, read
+
+
+def test_a_rank_that_reads_gpu_memory_reports_the_path_observed_at_registration():
+    """Where the caches are on the GPU, registering them probes the path of the operation the rank posts: the
+    transport's info names what UCX chose (this machine has no RDMA NIC, so TCP is allowed to start at all)."""
+    from glm_pd_common.tools.flat import flat_span
+    from glm_pd_common.transport.base import TransportConfig
+    from glm_pd_common.transport.factory import create_transport
+
+    selections, err = observe("cuda")
+    read = between_peers(selections, "READ", "cuda")
+    assert read is not None, err
+    cache = torch.ones(1 << 20, dtype=torch.uint8, device="cuda:0")
+    transport = create_transport("gpu-reader", TransportConfig(allow_tcp=True, posts="READ"))
+    try:
+        transport.register([flat_span(cache.data_ptr(), cache.numel(), "VRAM", 0)])
+        path = transport.info().data_path
+    finally:
+        transport.close()
+    print(path)
+    assert read.protocol in path and read.transports[0] in path and "probed within this node" in path

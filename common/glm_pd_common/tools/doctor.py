@@ -24,7 +24,7 @@ from glm_pd_common.tools.args import add_model_args, cache_spec
 from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, installed
 from glm_pd_common.tools.ucxprobe import OPERATIONS
 from glm_pd_common.transport.base import rdma_devices
-from glm_pd_common.transport.datapath import Selection, between_peers, judge_gpu_path, parse
+from glm_pd_common.transport.datapath import between_peers, judge_gpu_path, observe
 from glm_pd_common.transport.mooncake import gpu_memory_refusal, installed_wheel
 
 _NO_TORCH_NIXL = "without torch: pip install pyzmq, then pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
@@ -120,27 +120,10 @@ def check_rdma() -> list[Check]:
     ]
 
 
-def observed_ucx_path(memory: str, timeout_s: float = 90.0) -> tuple[list[Selection], str]:
-    """Run a loopback READ and WRITE on ``memory`` in child processes with UCX_PROTO_INFO=y; UCX's choices."""
-    env = dict(os.environ, UCX_PROTO_INFO="y", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "glm_pd_common.tools.ucxprobe", "--memory", memory],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout_s,
-    )
-    text = proc.stdout + proc.stderr
-    return parse(text), "" if proc.returncode == 0 else f"probe exited {proc.returncode}: {text[-400:]}"
-
-
 def check_ucx_path(memory: str) -> list[Check]:
     """What UCX picks between two processes of this node, for READ (pull) and WRITE (push) on ``memory``."""
     name = f"ucx data path ({memory})"
-    try:
-        selections, err = observed_ucx_path(memory)
-    except subprocess.TimeoutExpired:
-        return [Check("FAIL", name, "loopback probe did not finish in 90 s", "check UCX_* settings")]
+    selections, err = observe(memory)
     if err:
         return [Check("FAIL", name, err, "run with UCX_LOG_LEVEL=info for details")]
     checks = []

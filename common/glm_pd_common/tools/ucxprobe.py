@@ -1,8 +1,8 @@
 """A tiny loopback READ and WRITE over NIXL between this process and a peer process, for ``glm-pd doctor``.
 
 Run under ``UCX_PROTO_INFO=y`` so UCX prints the protocol and transports it really selects (parsed by
-``transport.datapath``). Host memory, or GPU memory (``--memory cuda``: a buffer on GPU 0 in both processes, as a
-node's prefill and decode ranks would hold, through torch). TCP is allowed here: the probe observes what would be
+``transport.datapath``). Host memory, or GPU memory (``--memory cuda --device N``: a buffer on GPU N in both
+processes, through torch). TCP is allowed here: the probe observes what would be
 used, it does not serve.
 """
 
@@ -27,13 +27,13 @@ PROBE_BYTES = 4 << 20
 OPERATIONS: tuple[Op, ...] = ("READ", "WRITE")  # pull (vLLM) reads prefill's pages; push (SGLang) writes decode's
 
 
-def _buffer(memory: str) -> tuple[Region, Callable[[], object]]:
-    """A PROBE_BYTES buffer in ``memory`` as a region, and what keeps it alive."""
+def _buffer(memory: str, device: int) -> tuple[Region, Callable[[], object]]:
+    """A PROBE_BYTES buffer in ``memory`` (GPU ``device``) as a region, and what keeps it alive."""
     if memory == "cuda":
         import torch
 
-        gpu = torch.ones(PROBE_BYTES, dtype=torch.uint8, device="cuda:0")
-        return flat_span(gpu.data_ptr(), PROBE_BYTES, "VRAM", 0), lambda: gpu
+        gpu = torch.ones(PROBE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+        return flat_span(gpu.data_ptr(), PROBE_BYTES, "VRAM", device), lambda: gpu
     host = np.ones(PROBE_BYTES, dtype=np.uint8)
     return flat_region(host), lambda: host
 
@@ -48,9 +48,9 @@ def _span(announced: dict) -> Span:
     return Span("probe", base, size, mem_kind, device_id)
 
 
-def serve(memory: str) -> int:
+def serve(memory: str, device: int) -> int:
     """The passive side: one buffer registered and announced, progressed (``notifs``) until stdin closes."""
-    region, _keep = _buffer(memory)
+    region, _keep = _buffer(memory, device)
     transport = create_transport("probe-peer", TransportConfig(backend="nixl", allow_tcp=True, timeout_s=30))
     transport.register([region])
     print("PEER " + json.dumps(_announce(transport, region)), flush=True)
@@ -67,10 +67,10 @@ def serve(memory: str) -> int:
     return 0
 
 
-def probe(memory: str) -> int:
+def probe(memory: str, device: int) -> int:
     """The active side: start the passive one, READ its buffer once and WRITE it once, report."""
     peer = subprocess.Popen(
-        [sys.executable, "-m", "glm_pd_common.tools.ucxprobe", "--serve", "--memory", memory],
+        [sys.executable, "-m", "glm_pd_common.tools.ucxprobe", "--serve", "--memory", memory, "--device", str(device)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -81,7 +81,7 @@ def probe(memory: str) -> int:
         if hello is None:
             print(f"the probe's peer process exited ({peer.wait()}) before announcing its {memory} buffer")
             return 1
-        region, _keep = _buffer(memory)
+        region, _keep = _buffer(memory, device)
         transport = create_transport("probe", TransportConfig(backend="nixl", allow_tcp=True, timeout_s=30))
         transport.register([region])
         remote = _span(hello)
@@ -105,9 +105,10 @@ def probe(memory: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m glm_pd_common.tools.ucxprobe")
     parser.add_argument("--memory", choices=("host", "cuda"), default="host")
+    parser.add_argument("--device", type=int, default=0, help="the GPU both sides' buffers are on (--memory cuda)")
     parser.add_argument("--serve", action="store_true", help="the passive side (started by the active one)")
     args = parser.parse_args()
-    return serve(args.memory) if args.serve else probe(args.memory)
+    return serve(args.memory, args.device) if args.serve else probe(args.memory, args.device)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ class TransportConfig:
     allow_tcp: bool = False
     timeout_s: float = 60.0
     devices: str = ""  # RDMA device names (Mooncake device_name / UCX ucx_devices), comma separated
+    # The operation this rank posts (vLLM decode READs, SGLang prefill WRITEs): where its caches are in GPU memory,
+    # the path UCX picks for it is observed when they are registered, and refused as ``datapath`` says.
+    posts: Op | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -13,7 +13,10 @@ and nothing else says so.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 
 _OPERATION = re.compile(
@@ -129,3 +132,17 @@ def judge_gpu_path(selection: Selection, allow_tcp: bool) -> Verdict:
     if allow_tcp:
         return Verdict(True, detail + " (allowed: allow_tcp)", fix)
     return Verdict(False, detail + ": a fraction of a GB/s", fix + "; or accept it explicitly with allow_tcp")
+
+
+def observe(memory: str, device: int = 0, timeout_s: float = 90.0) -> tuple[list[Selection], str]:
+    """What UCX picks for a loopback READ and WRITE on ``memory`` (GPU ``device``) between two child processes
+    of this node, run with UCX_PROTO_INFO=y (``glm_pd_common.tools.ucxprobe``); and why not, if the probe failed.
+    Within one node only: between nodes UCX chooses among the NICs instead."""
+    env = dict(os.environ, UCX_PROTO_INFO="y", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "glm_pd_common.tools.ucxprobe", "--memory", memory, "--device", str(device)]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [], f"the loopback probe did not finish in {timeout_s:.0f} s"
+    text = proc.stdout + proc.stderr
+    return parse(text), "" if proc.returncode == 0 else f"probe exited {proc.returncode}: {text[-400:]}"

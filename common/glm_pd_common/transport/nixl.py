@@ -7,6 +7,7 @@ kept in a backlog so none is lost.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -14,9 +15,10 @@ from importlib import metadata as pkg_metadata
 
 import numpy as np
 
-from glm_pd_common.errors import TransferFailed
+from glm_pd_common.errors import ConfigError, TransferFailed
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.transport.base import (
+    Op,
     Placement,
     Span,
     Transfer,
@@ -26,6 +28,9 @@ from glm_pd_common.transport.base import (
     rdma_devices,
     tcp_refusal,
 )
+from glm_pd_common.transport.datapath import between_peers, judge_gpu_path, observe
+
+logger = logging.getLogger(__name__)
 
 _LOCAL = "NIXL_INIT_AGENT"
 
@@ -71,6 +76,7 @@ class NixlTransport(Transport):
             conf = nixl_agent_config(backends=["UCX"], enable_prog_thread=False, sync_mode=sync)
             self._agent = nixl_agent(agent_name, conf)
         self._reg: list[object] = []
+        self._observed = ""  # what UCX picks for GPU memory, once a probe ran (``_observe_gpu_path``)
         self._backlog: list[tuple[str, bytes]] = []
         self._backlog_lock = threading.Lock()
 
@@ -79,6 +85,25 @@ class NixlTransport(Transport):
             chosen = [r for r in regions if r.mem_kind == kind and r.size_bytes > 0]
             descs = np.array([[r.base_addr, r.size_bytes, r.device_id] for r in chosen], dtype=np.uint64)
             self._reg.append(self._agent.register_memory(descs, kind))
+        gpu = [r for r in regions if r.mem_kind == "VRAM"]
+        if gpu and self.config.posts is not None and not self._observed:
+            self._observed = self._observe_gpu_path(self.config.posts, gpu[0].device_id)
+
+    def _observe_gpu_path(self, op: Op, device: int) -> str:
+        """What UCX picks for this rank's ``op`` between GPU buffers on ``device`` (a probe within this node), or
+        a refusal naming it and the fix. A probe that cannot run is logged, not fatal: the checks above hold."""
+        selections, err = observe("cuda", device)
+        chosen = between_peers(selections, op, "cuda")
+        if chosen is None:
+            note = f"GPU data path not observed: {err or 'UCX printed no table for it'}"
+            logger.warning("glm-pd: %s", note)
+            return note
+        verdict = judge_gpu_path(chosen, self.config.allow_tcp)
+        if not verdict.accepted:
+            raise ConfigError(f"{verdict.detail}. Fix: {verdict.fix}")
+        if verdict.fix:  # accepted only because the operator allowed TCP: say what it costs, every start
+            logger.warning("glm-pd: %s; to move GPU memory at speed: %s", verdict.detail, verdict.fix)
+        return verdict.detail + " (probed within this node)"
 
     def _metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
@@ -166,6 +191,8 @@ class NixlTransport(Transport):
             path = f"UCX RDMA over {', '.join(self._devices)} (UCX_TLS={tls})"
         else:
             path = f"UCX without RDMA: tcp between hosts, cma/shared memory within one (UCX_TLS={tls})"
+        if self._observed:
+            path = f"{path}; {self._observed}"
         return TransportInfo(
             backend="nixl",
             version=pkg_metadata.version("nixl"),
