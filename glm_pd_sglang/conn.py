@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -122,6 +123,10 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             self._threads = [threading.Thread(target=self._prefill_loop, name="glm-pd-bootstrap", daemon=True)]
         else:
             self._threads = [threading.Thread(target=self._decode_loop, name="glm-pd-listener", daemon=True)]
+            # digests of what landed are computed here, never on SGLang's scheduler thread (receivers' poll)
+            self._verifier = ThreadPoolExecutor(
+                1, thread_name_prefix=f"glm-pd-verify-{self.attn_tp_rank}", initializer=self.endpoint.on_thread
+            )
             self._threads.append(self._start_heartbeat_checker_thread())
         for t in self._threads:
             if not t.is_alive():
@@ -255,6 +260,8 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             t.join(timeout=5)
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             self._lanes.close(timeout_s=5)
+        else:
+            self._verifier.shutdown(wait=True, cancel_futures=True)
         with self._transport_lock:
             if not self._released:
                 self.transport.close()
@@ -349,9 +356,22 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             room, status, rank, reason = parsed
             self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
 
+    def verify_later(self, room: int, pages: np.ndarray) -> Future[str | None]:
+        """``verify_room`` on the verifier thread; its problem (or None) once done. A failure to read the pages
+        is the room's problem, never an exception in the receiver's poll."""
+
+        def verify() -> str | None:
+            try:
+                return self.verify_room(room, pages)
+            except Exception as exc:
+                return f"glm-pd could not verify what landed: {exc}"
+
+        return self._verifier.submit(verify)
+
     def verify_room(self, room: int, pages: np.ndarray) -> str | None:
         """Compare what landed with prefill's digests; returns the problem, or None when every region matches."""
-        sent = self._digests.pop(room, None)
+        with self._lock:  # against the listener adding a rank's digests and the receiver's clear
+            sent = self._digests.pop(room, None)
         if self.faults is not None and pages.size:
             region = self.caches.regions[-1]  # the room's last page of one region: bytes its digests compare
             self.faults.landed(str(room), region, int(pages[-1]) * region.page_stride)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,6 +53,7 @@ class GlmPdKVReceiver(CommonKVReceiver):
     _global_lock = threading.Lock()
     _pages: np.ndarray | None = None
     _verified: bool = False
+    _verifying: Future[str | None] | None = None
 
     def __init__(self, mgr: GlmPdKVManager, *args: Any, **kwargs: Any) -> None:
         for option, value in mgr.trust.client_options().items():
@@ -97,10 +99,17 @@ class GlmPdKVReceiver(CommonKVReceiver):
             mgr._digests.pop(self.bootstrap_room, None)
 
     def poll(self) -> int:
+        """SGLang's state, but with checksums on, Success only once glm-pd's verifier thread found the landed
+        bytes equal to prefill's digests (Transferring meanwhile): the scheduler thread never hashes a page."""
         status = super().poll()
         mgr: GlmPdKVManager = self.kv_mgr
         if status == KVPoll.Success and mgr.glm_config.verify_checksums and not self._verified:
-            problem = mgr.verify_room(self.bootstrap_room, self._pages if self._pages is not None else np.zeros(0))
+            if self._verifying is None:
+                pages = self._pages if self._pages is not None else np.zeros(0, dtype=np.int64)
+                self._verifying = mgr.verify_later(self.bootstrap_room, pages)
+            if not self._verifying.done():
+                return KVPoll.Transferring
+            problem = self._verifying.result()
             if problem is not None:
                 mgr.record_failure(self.bootstrap_room, f"glm-pd room {self.bootstrap_room}: {problem}")
                 mgr.update_status(self.bootstrap_room, KVPoll.Failed)

@@ -125,6 +125,11 @@ def test_digest_verification_catches_a_flipped_byte(pair) -> None:
     states = [d["states"][0] for d in decode["results"]]
     assert states == [SUCCESS, FAILED, SUCCESS]
     assert "checksum mismatch in indexer[layer 6 mtp] region" in decode["results"][1]["reasons"][0]
+    # hashed on glm-pd's verifier thread, reported through poll: never on the thread that polls (SGLang's scheduler)
+    assert decode["digest_threads"] and all(t.startswith("glm-pd-verify") for t in decode["digest_threads"]), decode[
+        "digest_threads"
+    ]
+    assert decode["poll_thread"] not in decode["digest_threads"]
     assert_exact({"results": prefill["results"][::2]}, {"results": decode["results"][::2]})
     assert_clean(prefill, decode)
 

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Callable
@@ -82,6 +83,18 @@ if cfg.get("device") is not None:  # DeviceDouble notes which device each of glm
     import glm_pd_sglang.conn
 
     glm_pd_sglang.conn.thread_device = lambda regions, _torch: DEVICES.setup_for(list(regions), cfg["device"])
+# which threads hashed decode's landed pages to verify them (never SGLang's scheduler thread, which polls)
+DIGEST_THREADS: set[str] = set()
+if ROLE == "decode":
+    import glm_pd_sglang.conn
+
+    _region_digests = glm_pd_sglang.conn.GlmPdKVManager._region_digests
+
+    def _recording(mgr: Any, pages: np.ndarray) -> list[tuple[str, int]]:
+        DIGEST_THREADS.add(threading.current_thread().name)
+        return _region_digests(mgr, pages)
+
+    glm_pd_sglang.conn.GlmPdKVManager._region_digests = _recording  # type: ignore[method-assign]
 MODEL_CONFIG = ModelConfig.from_server_args(server_args)
 MODEL = TinyDsa(MODEL_CONFIG.hf_config.num_hidden_layers, sorted(cfg["full_layers"]), seed=E2E["seed"]) if E2E else None
 Receiver = get_kv_class(TransferBackend(server_args.disaggregation_transfer_backend), KVClassType.RECEIVER)
@@ -280,6 +293,8 @@ def main() -> None:
         "leftovers": [r.mgr.leftovers() for r in ranks],
         "data_path": ranks[0].mgr.transport.info().data_path,
         "hosts": [r.mgr.local_ip for r in ranks],
+        "digest_threads": sorted(DIGEST_THREADS),
+        "poll_thread": threading.current_thread().name,
         "device_ids": [sorted({reg.device_id for reg in r.mgr.caches.regions}) for r in ranks],
         # a stranger without keys knocking on each rank's socket (SGLang's PULL): how its handshake ended
         "stranger": [handshake(r.mgr.local_ip, r.mgr.rank_port, {}, zmq.PUSH, 2.0) for r in ranks],
