@@ -161,7 +161,6 @@ def test_failed_load_spares_a_stream_sharing_its_prefix(engines: dict, pair: Fau
     healthy.result(120)
     assert healthy.error is None, (healthy.error, len(healthy.tokens), decode.engine_errors(offset))
     assert healthy.tokens == engines["reference"]["healthy"]
-    assert streamed_by_then < HEALTHY_TOKENS, "the healthy stream had ended before the load failed beside it"
     moved = decode.transfer_metrics(offset, loads=2)
     assert moved.get("loads_ok") == 1 and moved.get("loads_failed") == 1, moved
     since = decode.log_size()
@@ -171,6 +170,9 @@ def test_failed_load_spares_a_stream_sharing_its_prefix(engines: dict, pair: Fau
     suffix = -(-len(SHARER) // block) * block - len(PREFIX)  # whole blocks past the prefix decode still holds
     assert decode.transfer_metrics(since, loads=1)["bytes_main"] == suffix * TOKEN_BYTES
     still_serves(engines, pair, offset)
+    if streamed_by_then >= HEALTHY_TOKENS:  # a loaded machine can take longer to fail the load than to decode
+        pytest.skip(f"premise failed: the healthy stream had ended ({streamed_by_then} tokens) before the load "
+                    "beside it failed (its tokens, the failure and the retry were checked)")  # fmt: skip
 
 
 def test_queue_wait_past_the_lease_is_kept_alive(engines: dict, pair: FaultPair) -> None:

@@ -52,14 +52,15 @@ def test_both_engines_report_what_they_configured(engines) -> None:
 def test_decode_output_equals_a_plain_run(engines, n: int, stream: bool) -> None:
     """Both modes on the same servers (each runs with ``streamed`` on; the router picks the mode per request). The
     second mode's prompt is the first's: where decode's engine caches prefixes (it does on a CPU with AMX), it hits
-    the blocks the first left, read from vLLM's own counter, and only the rest travels."""
+    the blocks the first left, read from vLLM's own counter, and only the rest travels. The first mode may hit
+    too where an earlier case served the prompt on this decode (a fault case serves the 97-token one here)."""
     reference = engines["reference"][f"single-{n}"]
     hits = engines["decode"].scheduler_state().get("prefix_cache_hits", 0.0)
     tokens, _, metrics = handoff(engines, SINGLE[n], stream)
     hit = int(engines["decode"].scheduler_state().get("prefix_cache_hits", 0.0) - hits)
     assert tokens == reference, f"glm-pd {tokens} vs vLLM NixlConnector {reference}"
     assert metrics["loads_ok"] == 1 and metrics.get("loads_failed", 0) == 0
-    assert hit == 0 or (engines["configured"]["decode"]["prefix_caching"] and stream), hit  # pull runs first
+    assert hit == 0 or engines["configured"]["decode"]["prefix_caching"], hit
     assert metrics["bytes_main"] == moved(engines, n, hit) and metrics["bytes_indexer"] == 0  # dense MLA: no indexer
 
 
