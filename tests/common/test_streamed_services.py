@@ -12,8 +12,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import zmq
 
 from glm_pd_common.handoff.decode.service import LoadJob, LoadResult, RemotePrefill
+from glm_pd_common.handoff.wire import protocol
 from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill, wait_for
 
 STALE, HELD = SEED + 1, SEED + 2  # prefill's unwritten tokens; decode's own prefix hit
@@ -124,6 +126,32 @@ def test_decode_giving_up_mid_stream_frees_prefills_lease_when_it_comes(pair) ->
     assert ended is not None and ended.outcome == "aborted", "prefill kept the lease of a transfer decode left"
     held = wait_for(prefill.service.leftovers, lambda h: h["leases"] + h["streams"] == 0, 5.0)
     assert held["leases"] == 0 and held["streams"] == 0, held
+
+
+@pytest.mark.parametrize("silent_at", ["query", "hello"])
+def test_a_cancelled_load_ends_while_prefill_does_not_answer(small_spec, silent_at: str) -> None:
+    """A frozen prefill (its socket accepts, nothing answers): decode's client goes while the load waits for
+    prefill's first answer, to the address query or to the handshake. The load ends at once, as ``aborted``,
+    not when its timeout (30 s) runs out."""
+    decode = Decode(small_spec, timeout_s=30.0)
+    ctx = zmq.Context()
+    frozen = ctx.socket(zmq.ROUTER)
+    port = frozen.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        tp_size = 0 if silent_at == "query" else 1  # streamed params name host:port only; or the shape is known
+        where = RemotePrefill(f"127.0.0.1:{port}", "127.0.0.1", port, tp_size)
+        job = LoadJob("frozen", where, np.empty(0, np.int64), np.arange(4), 2 * PAGE_TOKENS, 0, stream_id="frozen")
+        decode.service.submit(job)
+        assert frozen.poll(10_000), "decode never reached prefill's socket"
+        asked = type(protocol.decode(frozen.recv_multipart()[-1])).__name__
+        assert asked == {"query": "Query", "hello": "Hello"}[silent_at]
+        decode.service.cancel("frozen")
+        result = result_of(decode, 10.0)  # a third of the load's own timeout
+        assert not result.ok and result.code == "aborted", result
+    finally:
+        decode.close()
+        frozen.close(0)
+        ctx.term()
 
 
 def test_prefill_ending_the_request_fails_the_load_naming_why(pair) -> None:

@@ -53,15 +53,16 @@ class PrefillLinks:
         """The link to ``rank`` of ``remote`` if it is up; never handshakes."""
         return self._links.get((remote.engine_id, rank))
 
-    def get(self, remote: RemotePrefill, rank: int) -> PrefillLink:
-        """The link to ``rank`` of ``remote``, handshaking first when there is none (a refused hello names why)."""
+    def get(self, remote: RemotePrefill, rank: int, progress: Callable[[], None] | None = None) -> PrefillLink:
+        """The link to ``rank`` of ``remote``, handshaking first when there is none (a refused hello names why).
+        ``progress`` runs while the handshake waits in place of the transport's (a cancellable load's raises)."""
         key = (remote.engine_id, rank)
         if key in self._links:
             return self._links[key]
         client = SideChannelClient(remote.host_of(rank), remote.base_port + rank, self.local.trust)
         try:
             client.send(self.local.hello(self.local.transport.metadata(), self.proof(remote.engine_id, rank)))
-            reply = client.recv(self.timeout_s, progress=self._progress)
+            reply = client.recv(self.timeout_s, progress=progress or self._progress)
             if isinstance(reply, protocol.Failed):
                 raise Refused(
                     f"prefill {remote.engine_id} rank {rank} refused the handshake: {reply.reason}", reply.code
@@ -91,8 +92,9 @@ class PrefillLinks:
         agent name; keyed per rank, so one prefill cannot pass ours off to another."""
         return hashlib.blake2b(f"{engine_id}/{rank}".encode(), key=self._session, digest_size=32).digest()
 
-    def known(self, remote: RemotePrefill) -> RemotePrefill:
-        """A streamed request's params name prefill's host and port only: rank 0's hello says the rest."""
+    def known(self, remote: RemotePrefill, progress: Callable[[], None] | None = None) -> RemotePrefill:
+        """A streamed request's params name prefill's host and port only: rank 0's hello says the rest. ``progress``
+        runs while the query waits (as in ``get``)."""
         if remote.tp_size:
             return remote
         key = (remote.host, remote.base_port)
@@ -103,7 +105,7 @@ class PrefillLinks:
         client = SideChannelClient(remote.host, remote.base_port, self.local.trust)
         try:
             client.send(protocol.Query(v=PROTOCOL_VERSION, engine_id=self.local.engine_id))
-            reply = client.recv(self.timeout_s)
+            reply = client.recv(self.timeout_s, progress=progress)
         finally:
             client.close()
         if isinstance(reply, protocol.Failed):

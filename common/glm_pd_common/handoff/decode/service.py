@@ -178,13 +178,15 @@ class DecodeService:
         mark("queued")
         lease_id = job.lease_id
         try:
-            remote = self._links.known(remote)
+            # a streamed load may wait on a prefill that has not answered yet: its client's abort ends it there too
+            cancellable = self._progress_or_cancel(job)
+            remote = self._links.known(remote, cancellable if job.stream_id else None)
             prefill, decode = self._layouts(remote)
             me = self.local.shape.tp_rank
             group = release_set(me, prefill, decode)
             readers = tuple(s.rank for s in sources(me, prefill, decode))  # their answers decide
             if job.read and job.stream_id:
-                lease_id = self._stream(job, remote, group, result, handoff, mark)
+                lease_id = self._stream(job, remote, group, result, handoff, mark, cancellable)
             elif job.read:
                 pieces = []
                 for source in sources(me, prefill, decode):
@@ -290,12 +292,14 @@ class DecodeService:
         result: LoadResult,
         handoff: Handoff,
         mark: Phases,
+        waiting: Callable[[], None],
     ) -> str:
-        """Read a streamed transfer while prefill writes it; returns the lease id prefill finished under."""
+        """Read a streamed transfer while prefill writes it; returns the lease id prefill finished under.
+        ``waiting`` runs while it waits for prefill, and raises once the load is cancelled."""
         me = self.local.shape.tp_rank
         serving = {s.rank: s for s in sources(me, *self._layouts(remote))}
         feeds = [Feed(rank, rank in serving, job.prefix_tokens) for rank in group]
-        peers = [self._links.get(remote, f.rank) for f in feeds]
+        peers = [self._links.get(remote, f.rank, waiting) for f in feeds]
         align = token_shard(me, self.local.shape.sharding).table_tokens(self.local.shape.page_tokens)
         mark("handshake")
         subscribe = protocol.Subscribe(v=PROTOCOL_VERSION, request_id=job.lease_id, num_tokens=job.num_tokens)
@@ -321,7 +325,7 @@ class DecodeService:
                 if time.monotonic() - beat > self.heartbeat_s:  # prefill forgets a decode silent too long
                     beat = time.monotonic()
                     self._beat(clients)
-                first = recv_any(clients, self.timeout_s, self._progress_or_cancel(job))
+                first = recv_any(clients, self.timeout_s, waiting)
                 heard = set()
                 # What queued up while the last read was posted is read as one batch: each batch costs a
                 # post and a completion, and 8 batches in place of 1 moved 9-13 % less per second here.
