@@ -23,6 +23,7 @@ Usage: python -m tests.support.sglang_proc CONFIG.json
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -268,6 +269,8 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
 
 
 def main() -> None:
+    # the pair waits 240 s for this process: a hang leaves every thread's stack in this process's log first
+    faulthandler.dump_traceback_later(200, exit=False)
     dist.init_process_group("gloo", init_method=f"file://{cfg['out']}.dist", world_size=1, rank=0)
     if ROLE == "prefill":
         from glm_pd_sglang.endpoints import GlmPdKVBootstrapServer
