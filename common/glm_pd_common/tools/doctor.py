@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     checks = check_side_channel() + check_transports() + check_rdma() + check_gpus()
     if not args.skip_probe and _version("nixl"):
         checks += check_ucx_path("host")
-        if _gpus() and importlib.util.find_spec("torch") is not None:
+        if _gpus():
             checks += check_ucx_path("cuda")  # GPU caches move between GPU buffers: observe that path too
     if args.peer:
         checks += check_peer(args.peer, args)

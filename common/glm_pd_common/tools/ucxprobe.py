@@ -2,7 +2,7 @@
 
 Run under ``UCX_PROTO_INFO=y`` so UCX prints the protocol and transports it really selects (parsed by
 ``transport.datapath``). Host memory, or GPU memory (``--memory cuda --device N``: a buffer on GPU N in both
-processes, through torch). TCP is allowed here: the probe observes what would be
+processes, allocated through the CUDA driver). TCP is allowed here: the probe observes what would be
 used, it does not serve.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import ctypes
+import ctypes.util
 import json
 import select
 import subprocess
@@ -30,12 +32,29 @@ OPERATIONS: tuple[Op, ...] = ("READ", "WRITE")  # pull (vLLM) reads prefill's pa
 def _buffer(memory: str, device: int) -> tuple[Region, Callable[[], object]]:
     """A PROBE_BYTES buffer in ``memory`` (GPU ``device``) as a region, and what keeps it alive."""
     if memory == "cuda":
-        import torch
-
-        gpu = torch.ones(PROBE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
-        return flat_span(gpu.data_ptr(), PROBE_BYTES, "VRAM", device), lambda: gpu
+        return flat_span(_cuda_alloc(device, PROBE_BYTES), PROBE_BYTES, "VRAM", device), lambda: None
     host = np.ones(PROBE_BYTES, dtype=np.uint8)
     return flat_region(host), lambda: host
+
+
+def _cuda_alloc(device: int, size: int) -> int:
+    """``size`` bytes on GPU ``device`` through the CUDA driver itself (the core imports no torch); freed when the
+    probe process exits."""
+    path = ctypes.util.find_library("cuda")
+    if path is None:
+        raise SystemExit("no CUDA driver (libcuda) on this machine: there is no GPU memory to probe")
+    cuda = ctypes.CDLL(path)
+    context, pointer = ctypes.c_void_p(), ctypes.c_uint64()
+    for call, args in (
+        ("cuInit", (0,)),
+        ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), device)),
+        ("cuCtxSetCurrent", (context,)),
+        ("cuMemAlloc_v2", (ctypes.byref(pointer), ctypes.c_size_t(size))),
+    ):
+        status = getattr(cuda, call)(*args)
+        if status != 0:
+            raise SystemExit(f"{call} on GPU {device} failed: CUDA error {status}")
+    return int(pointer.value)
 
 
 def _announce(transport, region: Region) -> dict:
