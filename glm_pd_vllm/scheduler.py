@@ -104,6 +104,7 @@ class GlmPdMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)  # decode: loads to start
     renewals: list[Renewal] = field(default_factory=list)  # decode: leases to keep while requests wait
     cancels: list[str] = field(default_factory=list)  # decode: streamed loads whose requests vLLM aborted
+    idle: bool = False  # the step schedules no tokens: the worker may wait for a load to end (``idle_wait_s``)
 
 
 class GlmPdScheduler:
@@ -343,6 +344,7 @@ class GlmPdScheduler:
             self._stream_progress(scheduler_output)
         meta, self._meta = self._meta, GlmPdMetadata()
         meta.renewals = self._renewals()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
 

@@ -6,6 +6,10 @@ has confirmed its blocks were held throughout.
 Streamed prefill: ``wait_for_save`` (vLLM calls it once the step's forward, and the drafter's, are queued)
 announces what the step wrote, behind a CUDA event recorded there: decode reads none of it before the GPU
 has finished writing it.
+Idle steps: vLLM steps without pause while any request exists, parked ones included, and its processes spin
+between steps (shared-memory readers yield in a loop for 1 s after each message). A decode whose only requests
+wait for loads (for a whole prefill, when streamed) would burn up to two cores; instead a step that schedules
+no tokens waits in ``transfer_results`` for the next load to end, up to ``idle_wait_s``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob
 from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
+from glm_pd_common.handoff.wire.protocol import renew_interval
 from glm_pd_common.handoff.wire.trust import Trust
 from glm_pd_common.layout.fingerprint import PeerShape, check_shape
 from glm_pd_common.layout.pages import block_pages
@@ -72,6 +77,10 @@ class GlmPdWorker:
         self._inflight: dict[str, list[int]] = {}  # request id -> local blocks being loaded
         self._lease_requests: dict[str, str] = {}  # prefill: lease id -> vLLM's request id, until it is freed
         self._failed_now: list[tuple[LoadSpec, str]] = []
+        # an idle step's wait: renewals, which the scheduler sends with the steps, must not fall behind it
+        self._idle_wait_s = min(config.idle_wait_s, renew_interval(config.lease_s) / 2)
+        self._idle = False  # this step schedules no tokens
+        self._reported_load = False  # the last step reported a load's end: vLLM may have queued its next step
         self.stats = GlmPdStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -160,6 +169,7 @@ class GlmPdWorker:
         if self.decode is not None:
             for request_id in meta.cancels:
                 self.decode.cancel(request_id)
+        self._idle = meta.idle
 
     def _grant(self, meta: GlmPdMetadata) -> None:
         """Hold each finished request's blocks for its decode, behind an event recorded now: the steps that
@@ -245,7 +255,8 @@ class GlmPdWorker:
             self._load_errors.update(self._written_blocks(load))
             self.stats.failed("invalid_params" if load.error else "internal")
         if self.decode is not None:
-            for result in self.decode.results():
+            wait_s, self._idle = self._wait_s(out), False
+            for result in self.decode.results(wait_s):
                 if result.request_id not in self._inflight:  # a release-only job: vLLM never waited for it
                     if not result.ok:
                         logger.warning("GlmPdConnector: release of %s failed: %s", result.request_id, result.reason)
@@ -259,7 +270,16 @@ class GlmPdWorker:
                     self._load_errors.update(blocks)
                     self.stats.failed(result.code or "internal")
                     logger.error("GlmPdConnector: load of %s failed: %s", result.request_id, result.reason)
+        self._reported_load = bool(out.finished_recving)
         return out
+
+    def _wait_s(self, out: KVConnectorTransferResults) -> float:
+        """How long this step waits for a load to end: only a step that computes nothing, on a decode whose
+        requests wait for loads, with nothing else to report. Not right after a step that reported a load: with
+        async scheduling vLLM queued this step before it saw that, and the loaded request's first step waits
+        behind this one."""
+        quiet = not (out.finished_recving or self._reported_load)
+        return self._idle_wait_s if self._idle and self._inflight and quiet else 0.0
 
     def _written_blocks(self, load: LoadSpec) -> list[int]:
         """The blocks a load writes: past decode's own prefix hit, which running requests may share. A failed

@@ -60,6 +60,9 @@ def vllm_config(job: dict, rank: int) -> VllmConfig:
         "lease_s": job["lease_s"],
         "verify_checksums": True,
         "credential": suite_credential(),
+        # the double steps engines one after another in one thread (``run``, the tests' loops): an idle decode
+        # step waiting for a load would hold prefill's steps, which that load waits for (own test: test_idle_steps)
+        "idle_wait_s": 0.0,
         **job.get("extra", {}),
     }
     if "rank_hosts" in job:  # each rank on its own node: that node's side_channel_host

@@ -61,6 +61,14 @@ def test_wrong_type_is_an_error(tiny_model):
         KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
 
 
+def test_idle_wait_is_a_bounded_setting():
+    """A negative wait is refused by name; a wait near the lease's renewal interval would starve renewals,
+    which the scheduler sends with the steps: the worker waits at most half of it."""
+    with pytest.raises(ConfigError, match=r"\['idle_wait_s'\] must be 0 or more, got -1.0"):
+        GlmPdVllmConfig.from_extra({"idle_wait_s": -1.0})
+    assert GlmPdVllmConfig.from_extra({"idle_wait_s": 0}).idle_wait_s == 0.0
+
+
 def test_kv_both_is_refused(tiny_model):
     config = make_config(tiny_model, role="kv_both")
     with pytest.raises(ConfigError, match="kv_role must be kv_producer"):

@@ -18,6 +18,7 @@ import numpy as np
 
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.regions import Region
+from glm_pd_common.layout.slots import pack_runs
 
 # copy(region, byte_offsets, lengths) -> the runs' bytes concatenated in order, in host memory (valid until the
 # next call); the runs of one call add up to at most the reader's staging size
@@ -64,8 +65,8 @@ HOST = HostMemory()
 
 
 class StagedMemory(HostMemory):
-    """DRAM as ``HostMemory``; device memory copied to the host (``copy``), as many runs per copy as fit in
-    ``staging_bytes``, so a region's digest costs one device-to-host copy per ``staging_bytes``."""
+    """DRAM as ``HostMemory``; device memory copied to the host (``copy``) one slot of ``staging_bytes`` at a time
+    (``layout.slots``), so a region's digest costs one device-to-host copy per ``staging_bytes``."""
 
     def __init__(self, copy: Copier, *, staging_bytes: int = STAGING_BYTES) -> None:
         self._copy = copy
@@ -78,24 +79,9 @@ class StagedMemory(HostMemory):
         if region.mem_kind == "DRAM":
             yield from super().chunks(region, offsets, lengths)
             return
-        offs, lens = _split_runs(offsets, lengths, self.staging_bytes)
-        ends = np.cumsum(lens)
-        start = 0
-        while start < lens.size:
-            stop = int(np.searchsorted(ends, (ends[start - 1] if start else 0) + self.staging_bytes, side="right"))
-            yield self._copy(region, offs[start:stop], lens[start:stop])
-            start = stop
-
-
-def _split_runs(offsets: np.ndarray, lengths: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cut runs longer than ``limit`` bytes into pieces of at most ``limit`` (in order)."""
-    offsets, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-    pieces = np.maximum((lengths + limit - 1) // limit, 1)
-    if np.all(pieces == 1):
-        return offsets, lengths
-    run = np.repeat(np.arange(lengths.size), pieces)
-    k = np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    return offsets[run] + k * limit, np.minimum(lengths[run] - k * limit, limit)
+        packed = pack_runs(offsets, lengths, self.staging_bytes)
+        for k in range(packed.num_slots):
+            yield self._copy(region, packed.offsets[packed.slot(k)], packed.lengths[packed.slot(k)])
 
 
 class _DeviceBytes:

@@ -140,8 +140,10 @@ class DecodeService:
         with self._lock:
             self._cancelled.add(request_id)
 
-    def results(self) -> list[LoadResult]:
-        return drain(self._results)
+    def results(self, wait_s: float = 0.0) -> list[LoadResult]:
+        """The results of loads that ended; with none yet, waits up to ``wait_s`` for the first (an engine with
+        nothing to compute but loads to wait for sleeps here instead of stepping)."""
+        return drain(self._results, wait_s)
 
     def leftovers(self) -> dict[str, int]:
         """What this service holds now. Once every load has ended and its result was collected: ``queued``
