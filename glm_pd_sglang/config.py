@@ -30,6 +30,7 @@ class GlmPdSglangConfig:
     model_revision: str = ""  # checked between peers when both set it
     credential: str = ""  # the deployment's key: a *.key_secret file (`glm-pd keygen`) or env:NAME; needed off loopback
     insecure: bool = False  # run SGLang's disaggregation sockets unauthenticated off loopback
+    decode_peers: int = 1024  # prefill: decode ranks registered at once (the least recently used idle one makes way)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GlmPdSglangConfig:
@@ -46,6 +47,8 @@ class GlmPdSglangConfig:
         config = cls(**values)
         if config.transport not in BACKENDS:
             raise ConfigError(f"{PREFIX}TRANSPORT must be one of {BACKENDS}, got {config.transport!r}")
+        if config.decode_peers < 1:
+            raise ConfigError(f"{PREFIX}DECODE_PEERS must be at least 1, got {config.decode_peers}")
         if config.timeout_s <= 0:
             raise ConfigError(f"{PREFIX}TIMEOUT_S must be positive, got {config.timeout_s}")
         if config.indexer_scale_format and config.indexer_scale_format not in INDEXER_SCALE_FORMATS:
@@ -64,6 +67,11 @@ def _parse(key: str, raw: str, kind: type) -> object:
         if lowered in ("0", "false", "no", "off", ""):
             return False
         raise ConfigError(f"{key} must be a boolean (1/0, true/false), got {raw!r}")
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got {raw!r}") from None
     if kind is float:
         try:
             return float(raw)

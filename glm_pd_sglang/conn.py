@@ -18,8 +18,9 @@ timeouts, abort notices and their drain ACKs. glm-pd adds what a GLM-5.x handoff
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -32,40 +33,41 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.common import get_device_capability
-from sglang.srt.utils.network import NetworkAddress, get_zmq_socket_on_host
+from sglang.srt.utils.network import get_zmq_socket_on_host
 from zmq.auth.thread import ThreadAuthenticator
 
-from glm_pd_common.errors import ConfigError, GlmPdError, ProtocolError
+from glm_pd_common.errors import ConfigError, GlmPdError
 from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.faults import HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
+from glm_pd_common.handoff.recent import RecentIds
 from glm_pd_common.handoff.wire import protocol
-from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
+from glm_pd_common.handoff.wire.handshake import Endpoint, hello_proof
 from glm_pd_common.handoff.wire.trust import Trust
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.devices import thread_device
-from glm_pd_common.transport.digests import region_pages_digest
 from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
 from glm_pd_sglang import wire
+from glm_pd_sglang.admission import PrefillAdmission
 from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.devices import rank_ib_devices
 from glm_pd_sglang.kvargs import rank_caches
 from glm_pd_sglang.model import model_geometry, scale_format
 from glm_pd_sglang.parallel import AttentionRanks, check_routing, refuse_unsupported
-from glm_pd_sglang.rooms import Target, check_aux, check_suffix, int_pages
+from glm_pd_sglang.registrations import Registrations, agent_name
 from glm_pd_sglang.transfer import DecodePeer, PrefillTransfers
+from glm_pd_sglang.verify import RoomVerification
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
-_MAX_DECODE_RANKS = 256  # decode attention-TP ranks one prefill rank may serve for a room
 TRANSFER_LANES = 8  # transfer threads per prefill rank; more decode peers than this share lanes
 
 
-class GlmPdKVManager(PrefillTransfers, CommonKVManager):
+class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, CommonKVManager):
     """One rank's glm-pd agent: prefill pushes planned runs; decode announces its caches and verifies."""
 
     endpoint: Endpoint
@@ -93,7 +95,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
-        self._refused: dict[tuple[str, int], str] = {}
+        self._refused = RecentIds()  # prefill: decode agents whose registration was refused -> why
         self._pending_failures: dict[int, str] = {}
         self._expected_pages: dict[int, int] = {}
         self._sent_pages: dict[int, list[np.ndarray]] = {}
@@ -104,7 +106,8 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
         self.faults: HandoffFaults | None = None
         # Rooms prefill aborted whose decode ranks are told once no write of theirs is outstanding.
         self._prefill_aborts: dict[int, list[tuple[str, int]]] = {}
-        self._registrations: dict[str, wire.Registration] = {}  # prefill: accepted decode registrations
+        self._registrations = Registrations(self.glm_config.decode_peers)  # prefill: accepted decode ranks
+        self._session = secrets.token_bytes(32)  # decode: this process's key for its registrations' proofs
         self._transport_lock = threading.RLock()  # the transport is swapped on memory release / resume
         self._released = False
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -112,6 +115,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             raise ConfigError("glm-pd does not implement --disaggregation-decode-allocation-policy prefill_complete")
         mode = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self._authenticate_sockets()  # prefill's was, before it registered with the bootstrap server
+        self._agent_name = agent_name(mode, self.local_ip, self.rank_port)  # kept across memory release / resume
         self._open_transport(args)
         if mode == "prefill":
             self._lanes = LanePool(
@@ -191,7 +195,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             held=held,
         )
         mode = "prefill" if prefill else "decode"
-        name = f"glmpd-{mode}-{self.local_ip}-{self.rank_port}"
+        name = self._agent_name
         transport = create_transport(
             name,
             TransportConfig(
@@ -235,7 +239,7 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             self._open_transport(self.kv_args)
             self._released = False
             if self.disaggregation_mode == DisaggregationMode.PREFILL:
-                for reg in list(self._registrations.values()):
+                for reg in self._registrations.all():
                     self._on_register(reg)
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self.connection_pool.clear()  # the next receiver of each prefill fetches it and registers again
@@ -293,8 +297,11 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
                 logger.exception("glm-pd: failed to handle a message (first frame %r)", msg[0][:32] if msg else b"")
 
     # -- decode: registration, room messages, listener, verification ---------------------------------
-    def build_receiver_registration_message(self) -> list[bytes]:
-        hello = self.endpoint.hello(self.transport.metadata())
+    def build_receiver_registration_message(self, prefill: tuple[str, int] | None = None) -> list[bytes]:
+        """This rank's registration with the prefill rank at ``prefill`` (host, port), proving this process to it
+        (``hello_proof``): only this process can register again under this rank's agent name there."""
+        proof = b"" if prefill is None else hello_proof(self._session, f"{prefill[0]}:{prefill[1]}")
+        hello = self.endpoint.hello(self.transport.metadata(), proof)
         aux = [
             wire.AuxBuffer(s.base_addr, s.size_bytes, n)
             for s, n in zip(self.caches.aux, self.caches.aux_item_lens, strict=True)
@@ -356,44 +363,6 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             room, status, rank, reason = parsed
             self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
 
-    def verify_later(self, room: int, pages: np.ndarray) -> Future[str | None]:
-        """``verify_room`` on the verifier thread; its problem (or None) once done. A failure to read the pages
-        is the room's problem, never an exception in the receiver's poll."""
-
-        def verify() -> str | None:
-            try:
-                return self.verify_room(room, pages)
-            except Exception as exc:
-                return f"glm-pd could not verify what landed: {exc}"
-
-        return self._verifier.submit(verify)
-
-    def verify_room(self, room: int, pages: np.ndarray) -> str | None:
-        """Compare what landed with prefill's digests; returns the problem, or None when every region matches."""
-        with self._lock:  # against the listener adding a rank's digests and the receiver's clear
-            sent = self._digests.pop(room, None)
-        if self.faults is not None and pages.size:
-            region = self.caches.regions[-1]  # the room's last page of one region: bytes its digests compare
-            self.faults.landed(str(room), region, int(pages[-1]) * region.page_stride)
-        if not sent:
-            return "glm-pd checksum verification is on, but prefill sent no digests (is it verifying too?)"
-        theirs: dict[str, int] = {}
-        for digests in sent:
-            for name, value in zip(digests.regions, digests.digests, strict=True):
-                if theirs.setdefault(name, value) != value:
-                    return f"prefill ranks sent different digests for the {name} region"
-        mine = self._region_digests(pages)
-        missing = [name for name, _ in mine if name not in theirs]
-        if missing or len(theirs) != len(mine):
-            return f"prefill sent no digest for regions {missing} ({len(theirs)} digested; decode has {len(mine)})"
-        for name, got in mine:
-            if got != theirs[name]:
-                return f"checksum mismatch in {name} region: decode {got:#018x}, prefill {theirs[name]:#018x}"
-        return None
-
-    def _region_digests(self, pages: np.ndarray) -> list[tuple[str, int]]:
-        return [(r.name, region_pages_digest(r, pages, self.endpoint.memory)) for r in self.caches.regions]
-
     def _resolve_rank_mapping(self, info: Any) -> None:
         """SGLang's mapping, checked against glm-pd's pairing (a mismatch is refused as SGLang refuses a page size
         mismatch here: the rank could never load a whole cache)."""
@@ -415,100 +384,6 @@ class GlmPdKVManager(PrefillTransfers, CommonKVManager):
             self._on_room(wire.parse(msg, wire.Room))
         else:
             logger.warning("glm-pd prefill: dropping a message with unknown first frame %r", tag[:32])
-
-    def _on_register(self, reg: wire.Registration) -> None:
-        key = (reg.decode_ip, reg.decode_port)
-        peer = f"{reg.decode_ip}:{reg.decode_port}"
-        try:
-            hello = protocol.decode(reg.hello)
-            if not isinstance(hello, protocol.Hello):
-                raise ProtocolError(f"registration carries a {type(hello).__name__}, not a hello")
-            view = accept_hello(
-                self.endpoint.spec, hello, backend=self.transport.backend, role="decode", local_role="prefill"
-            )
-            if view.shape.page_tokens != self.caches.page_tokens:
-                raise ConfigError(
-                    f"page size differs: prefill {self.caches.page_tokens}, decode {view.shape.page_tokens} tokens "
-                    "(SGLang pairs pages one to one; set the same --page-size on both)"
-                )
-            aux = check_aux(self.caches.aux_item_lens, [(a.ptr, a.data_len, a.item_len) for a in reg.aux], peer=peer)
-            if self._released:  # no transport until SGLang resumes the memory: loaded then, with the newest
-                self._registrations[hello.agent_name] = reg  # (a decode that resumed first re-registered meanwhile)
-                self._refused.pop(key, None)
-                return
-            if hello.agent_name in self._peers:
-                self.transport.remove_peer(hello.agent_name)
-            self.transport.add_peer(hello.agent_metadata, [*view.spans, *aux])
-        except GlmPdError as exc:
-            reason = f"glm-pd prefill rank {self._prefill_unique_rank()} refused decode {peer} at registration: {exc}"
-            logger.error(reason)
-            self._refused[key] = reason
-            self._send_multipart_locked(
-                NetworkAddress(reg.decode_ip, reg.decode_port).to_tcp(),
-                wire.frames(wire.TAG_REFUSED, wire.Refused(self._prefill_unique_rank(), reason)),
-            )
-            return
-        self._peers[hello.agent_name] = DecodePeer(view, aux)
-        self._registrations[hello.agent_name] = reg
-        self._refused.pop(key, None)
-        logger.info("glm-pd prefill: decode %s registered (tp %s/%s)", peer, view.shape.tp_rank, view.shape.tp_size)
-
-    def _on_room(self, m: wire.Room) -> None:
-        key = (m.decode_ip, m.decode_port)
-        if key in self._refused:
-            self._fail_room(m.room, self._refused[key], key)
-            return
-        if self._released:
-            self._fail_room(m.room, f"glm-pd prefill released its KV memory; room {m.room} cannot be served", key)
-            return
-        if m.agent_name not in self._peers:
-            self._fail_room(m.room, f"decode {m.agent_name} sent room {m.room} before registering", key)
-            return
-        try:
-            pages = int_pages(m.dst_pages, what="decode page ids")
-            if not 1 <= m.required_dst_info_num <= _MAX_DECODE_RANKS:
-                raise ProtocolError(f"room {m.room} expects {m.required_dst_info_num} decode ranks")
-        except GlmPdError as exc:
-            self._fail_room(m.room, f"glm-pd refused room {m.room}: {exc}", key)
-            return
-        if not m.is_dummy:
-            try:
-                check_suffix(
-                    m.decode_prefix_len,
-                    pages,
-                    int_pages(m.dst_state_pages, what="decode DSA state page ids"),
-                    self.caches.page_tokens,
-                    side=f"decode {m.decode_ip}:{m.decode_port}",
-                )
-            except GlmPdError as exc:
-                self._fail_room(m.room, f"glm-pd refused room {m.room}: {exc}", key)
-                return
-        target = Target(
-            m.agent_name,
-            m.decode_ip,
-            m.decode_port,
-            m.is_dummy,
-            m.required_dst_info_num,
-            pages,
-            m.aux_index,
-            m.decode_prefix_len,
-        )
-        infos = self.transfer_infos.setdefault(m.room, {})
-        infos[m.agent_name] = target
-        if len(infos) == m.required_dst_info_num:
-            self.req_to_decode_prefix_len[m.room] = m.decode_prefix_len
-            self.resolve_kv_replica_factor(infos)
-            self.update_status(m.room, KVPoll.WaitingForInput)
-
-    def _fail_room(self, room: int, reason: str, target: tuple[str, int]) -> None:
-        """Fail a room on both sides, whether or not prefill's scheduler has created its sender yet."""
-        logger.error("glm-pd: %s", reason)
-        self.record_failure(room, reason)
-        if room in self.request_status:
-            self.update_status(room, KVPoll.Failed)
-        else:
-            self._pending_failures[room] = reason
-        self.send_kv_status_message(targets=[target], bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
 
     def _on_abort(self, msg: list[bytes]) -> None:
         notice = AbortNotification.from_zmq(msg)

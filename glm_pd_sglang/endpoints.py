@@ -60,6 +60,17 @@ class GlmPdKVReceiver(CommonKVReceiver):
             type(self)._ctx.setsockopt(option, value)  # the same options for every manager of the process
         super().__init__(mgr, *args, **kwargs)
 
+    def _register_kv_args(self) -> bool:
+        """SGLang's registration with each prefill rank, as SGLang sends it, each carrying this process's proof
+        for that rank (``build_receiver_registration_message``)."""
+        if self.bootstrap_infos is None:
+            return False
+        for info in self.bootstrap_infos:
+            message = self.kv_mgr.build_receiver_registration_message((str(info["rank_ip"]), int(info["rank_port"])))
+            if not self._send_bootstrap_message(bootstrap_info=info, message=message, operation="_register_kv_args"):
+                return False
+        return True
+
     def send_metadata(
         self,
         kv_indices: np.ndarray,

@@ -15,6 +15,7 @@ no tokens waits in ``transfer_results`` for the next load to end, up to ``idle_w
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -103,7 +104,9 @@ class GlmPdWorker:
                 "each kernel block as one page, so the interleave must divide it)"
             ) from exc
         self.device = next(iter(kv_caches.values())).device
-        name = f"{self.engine_id}-tp{self.tp_rank}"
+        # a random part per process: no peer can load (and, with a damaged blob, leave unusable) this rank's agent
+        # name in a prefill's NIXL before this rank does; engine ids are often set by operators, and public
+        name = f"{self.engine_id}-tp{self.tp_rank}-{secrets.token_hex(8)}"
         self.transport = create_transport(
             name,
             TransportConfig(

@@ -56,6 +56,7 @@ from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 load_plugins()
+from tests.support.sglang_impostor import Impostor  # noqa: E402
 from tests.support.sglang_prefill import DEVICES, PrefillLoop, meta_row, prompt_ids, reason_of  # noqa: E402
 from tests.support.sglang_rank import Rank, rss_kb  # noqa: E402
 from tests.support.strangers import handshake  # noqa: E402
@@ -234,7 +235,13 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
                 elif fault == "suffix_shift":
                     claimed = prefix + PAGE
                 out.setdefault("prefix_before", []).append(r.page_digests(s.table[: prefix // PAGE]))
+                if fault == "impostor":  # a deployment member without the room's grant (sglang_impostor.py)
+                    impostor = Impostor(r.mgr, rc)
+                    impostor.borrowed()
+                    impostor.register_as_itself()
                 send(suffix.astype(np.int32), s.slot, [suffix], decode_prefix_len=claimed)
+                if fault == "impostor":
+                    impostor.describe(room, suffix.astype(np.int32), s.slot, [suffix], claimed)
                 if fault == "abort":
                     rc.abort()
                 if fault == "corrupt":
@@ -259,6 +266,8 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
         out["reasons"] = [
             reason_of(rc) if st == KVPoll.Failed else "" for rc, st in zip(receivers, states, strict=True)
         ]
+        if fault == "impostor":
+            impostor.close()
         for rc, s in zip(receivers, slots, strict=True):
             rc.clear()
             s.release(cache=min(states) == KVPoll.Success)

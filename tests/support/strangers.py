@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import zmq
@@ -33,7 +34,10 @@ def handshake(host: str, port: int, options: dict[int, bytes], kind: int = zmq.D
         sock.setsockopt(option, value)
     monitor = sock.get_monitor_socket()
     sock.connect(f"tcp://{host}:{port}")
-    sock.send(protocol.encode(protocol.Query(v=PROTOCOL_VERSION, engine_id="stranger")))
+    # a PUSH or DEALER send waits for a connection to queue on; a refused one may never be there
+    sock.setsockopt(zmq.SNDTIMEO, int(wait_s * 1000))
+    with contextlib.suppress(zmq.Again):
+        sock.send(protocol.encode(protocol.Query(v=PROTOCOL_VERSION, engine_id="stranger")))
     outcome = "nothing"
     deadline = time.monotonic() + wait_s
     while outcome == "nothing" and monitor.poll(max(int((deadline - time.monotonic()) * 1000), 0)):

@@ -7,7 +7,6 @@ itself is shared, and ``forget`` drops every rank of an engine (other lanes may 
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import threading
 import time
@@ -18,7 +17,7 @@ from typing import Any
 from glm_pd_common.errors import ConfigError, LayoutMismatch, ProtocolError
 from glm_pd_common.handoff.decode.loads import Refused, RemotePrefill
 from glm_pd_common.handoff.wire import protocol
-from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView, accept_hello
+from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView, accept_hello, hello_proof
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
 
@@ -88,9 +87,8 @@ class PrefillLinks:
         return self._links[key]
 
     def proof(self, engine_id: str, rank: int) -> bytes:
-        """What our hellos to that prefill rank carry: it tells a re-handshake of ours from a peer borrowing our
-        agent name; keyed per rank, so one prefill cannot pass ours off to another."""
-        return hashlib.blake2b(f"{engine_id}/{rank}".encode(), key=self._session, digest_size=32).digest()
+        """What our hellos to that prefill rank carry (``hello_proof``)."""
+        return hello_proof(self._session, f"{engine_id}/{rank}")
 
     def known(self, remote: RemotePrefill, progress: Callable[[], None] | None = None) -> RemotePrefill:
         """A streamed request's params name prefill's host and port only: rank 0's hello says the rest. ``progress``

@@ -5,12 +5,11 @@ that peer's proof (the same decode process on a new connection): another peer bo
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from glm_pd_common.handoff.wire import protocol
-from glm_pd_common.handoff.wire.handshake import PeerView
+from glm_pd_common.handoff.wire.handshake import PeerView, same_proof
 
 
 @dataclass
@@ -60,8 +59,7 @@ class DecodePeers:
         for other in self._by_ident.values():
             if other.agent != agent or other.identity == ident:
                 continue
-            same = bool(proof) and hmac.compare_digest(proof, other.proof)
-            if not same and now - other.last_seen <= self.idle_s:
+            if not same_proof(proof, other.proof) and now - other.last_seen <= self.idle_s:
                 return (
                     f"decode agent {protocol.clip(agent, 80)} is connected and live; a hello under its name that "
                     f"cannot prove to be it evicts nothing (a restarted decode is accepted once the old connection "

@@ -40,11 +40,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from glm_pd_common.counted_log import CountedLog
-from glm_pd_common.errors import GlmPdError, LeaseExpired, PlanError, ProtocolError
+from glm_pd_common.errors import GlmPdError, LeaseExpired, ProtocolError
 from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.clock import ServiceClock
 from glm_pd_common.handoff.prefill.lease import Lease, LeaseState, LeaseTable
+from glm_pd_common.handoff.prefill.pairing import claim_plan, expected_releases_from
 from glm_pd_common.handoff.prefill.peers import DecodePeer, DecodePeers
 from glm_pd_common.handoff.prefill.ready import ReadyEvent
 from glm_pd_common.handoff.prefill.streams import Advance, Outgoing, StreamCall, StreamTable
@@ -53,10 +54,6 @@ from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.wire.sidechannel import SideChannelServer, SideChannelTimeout
-from glm_pd_common.layout.pages import suffix_pages
-from glm_pd_common.layout.plan import build_plan
-from glm_pd_common.layout.shards import TokenShard, token_shard
-from glm_pd_common.layout.tp import SideLayout, Source, expected_releases, source_for
 from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan_digests
 
 logger = logging.getLogger(__name__)
@@ -373,29 +370,9 @@ class PrefillService:
             self._not_theirs(ident, msg.request_id)
             return
         try:
-            source, theirs = self._serves(decode)
-            own = suffix_pages(
-                held.pages,
-                msg.num_tokens,
-                msg.prefix_tokens,
-                source.shard.table_tokens(self.local.shape.page_tokens),
-                align_tokens=theirs.table_tokens(decode.peer.shape.page_tokens),
-            )
-            if not np.array_equal(own, np.asarray(msg.src_pages, dtype=np.int64)):
-                raise GlmPdError(f"request {msg.request_id}: decode's source pages are not the pages it holds")
-            plan = build_plan(
-                self.local.regions,
-                decode.peer.regions,
-                own,
-                np.asarray(msg.dst_pages, dtype=np.int64),
-                num_tokens=msg.num_tokens,
-                prefix_tokens=msg.prefix_tokens,
-                src_shard=source.shard,
-                dst_shard=theirs,
-                layers=source.layers,
-            )
+            plan = claim_plan(self.local, decode.peer, held.pages, msg)
             # Only a claim for the pages the lease holds moves it: a wrong one is refused and changes nothing.
-            self._leases.expect(msg.request_id, self._releases_from(decode))
+            self._leases.expect(msg.request_id, expected_releases_from(self.local, decode.peer))
             self._leases.claim(msg.request_id, by=ident, owner=decode.peer.engine_id)
         except GlmPdError as exc:
             code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
@@ -435,7 +412,7 @@ class PrefillService:
             self._not_theirs(ident, msg.request_id)
             return
         # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
-        self._leases.expect(msg.request_id, self._releases_from(self._decodes[ident]))
+        self._leases.expect(msg.request_id, expected_releases_from(self.local, self._decodes[ident].peer))
         try:
             released = self._leases.release(msg.request_id)
         except LeaseExpired as exc:
@@ -480,21 +457,6 @@ class PrefillService:
         if decode is not None:
             self.local.transport.remove_peer(decode.agent)
             logger.info("glm-pd prefill: forgot decode %s: %s", decode.peer.engine_id, why)
-
-    def _layouts(self, decode: DecodePeer) -> tuple[SideLayout, SideLayout]:
-        g = self.local.spec.geometry
-        return SideLayout.of_shape(self.local.shape, g), SideLayout.of_shape(decode.peer.shape, g)
-
-    def _serves(self, decode: DecodePeer) -> tuple[Source, TokenShard]:
-        """What this rank serves that decode rank (the same pairing decode computed), and decode's token shard."""
-        rank = decode.peer.shape.tp_rank
-        source = source_for(self.local.shape.tp_rank, rank, *self._layouts(decode))
-        if source is None:
-            raise PlanError(f"decode rank {rank} reads nothing from prefill rank {self.local.shape.tp_rank}")
-        return source, token_shard(rank, decode.peer.shape.sharding)
-
-    def _releases_from(self, decode: DecodePeer) -> int:
-        return expected_releases(self.local.shape.tp_rank, *self._layouts(decode))
 
     def _not_theirs(self, ident: bytes, request_id: str) -> None:
         why = f"request {protocol.clip(request_id, 80)} was granted to another decode; this one may not act on it"

@@ -7,6 +7,8 @@ with the byte sizes the layout implies. Only then do its regions become plan inp
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 from glm_pd_common.errors import GlmPdError, ProtocolError
@@ -22,6 +24,19 @@ from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span, Transport
 from glm_pd_common.transport.devices import ThreadSetup, host_only
 from glm_pd_common.transport.memory import HOST, MemoryReader
+
+
+def hello_proof(session: bytes, peer: str) -> bytes:
+    """What a decode process's hellos to ``peer`` (a prefill rank) carry: its keyed digest under the process's
+    random ``session`` secret. The same on every hello to that rank, so the rank tells the same decode on a new
+    connection from another peer borrowing its agent name; keyed per rank, so one prefill cannot pass it off to
+    another."""
+    return hashlib.blake2b(peer.encode(), key=session, digest_size=32).digest()
+
+
+def same_proof(sent: bytes, known: bytes) -> bool:
+    """Whether a hello's proof is the one an accepted peer gave (an empty proof proves nothing)."""
+    return bool(sent) and hmac.compare_digest(sent, known)
 
 
 def make_hello(
