@@ -3,6 +3,8 @@
 A claim that arrives before its grant, a subscription before its transfer opens and a decode's handshake are
 all kept on a peer's word: without a bound, four 16 MB claims for ids never granted pinned 500 MB for a whole
 timeout. Past a cap the message is refused by name and nothing is kept; a live request is never evicted for it.
+Connections are capped before any message: past ``connections`` a handshake is refused (with a credential only,
+see ``wire.trust``), so peers that never say hello cannot use up the process's file descriptors.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.wire.trust import MAX_CONNECTIONS
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class PeerCaps:
     early_claims: int = 256  # claims and confirmations one decode keeps waiting for grants
     early_pages: int = 1 << 21  # page ids all waiting claims hold together (a 1M-token claim carries ~32k)
     subscriptions: int = 16384  # streamed subscriptions, all decodes together
+    connections: int = MAX_CONNECTIONS  # side-channel connections, handshaking or not, said hello or not
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

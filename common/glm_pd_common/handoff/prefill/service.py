@@ -105,7 +105,7 @@ class PrefillService:
         self._next_idle_check = 0.0
         self._refusals = CountedLog(logger, "glm-pd prefill: refused %d side-channel message(s), the latest: %s")
         self._clock = ServiceClock()
-        self.server = SideChannelServer(host, port, local.trust)
+        self.server = SideChannelServer(host, port, local.trust, caps.connections)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)  # one per lease
         self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
         self._decodes = DecodePeers(caps.peers, peer_idle_s)

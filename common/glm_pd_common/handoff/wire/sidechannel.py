@@ -18,7 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from glm_pd_common.errors import AuthenticationFailed, GlmPdError, ProtocolError
 from glm_pd_common.handoff.wire import protocol
-from glm_pd_common.handoff.wire.trust import OPEN, Trust
+from glm_pd_common.handoff.wire.trust import MAX_CONNECTIONS, OPEN, Trust
 
 
 class SideChannelTimeout(GlmPdError):
@@ -28,20 +28,27 @@ class SideChannelTimeout(GlmPdError):
 class SideChannelServer:
     """The serving socket, and a wake-up the serving thread waits on beside it: another thread that hands the
     server's thread work (an engine's grant) calls ``wake`` so that work is picked up now, not when the wait
-    for peers' messages times out."""
+    for peers' messages times out. With a credential it admits handshakes while it holds at most
+    ``max_connections`` connections."""
 
-    def __init__(self, host: str, port: int = 0, trust: Trust = OPEN) -> None:
+    def __init__(self, host: str, port: int = 0, trust: Trust = OPEN, max_connections: int = MAX_CONNECTIONS) -> None:
         trust.check_host(host, "side channel host")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 2000)  # let the last answer (released / failed) reach the peer
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        self._auth = trust.serve(self._ctx, self._sock)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self._gate = trust.serve(self._ctx, self._sock, max_connections, host)
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+            else:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._sock.close(0)  # the port is taken: no thread of this server outlives the error
+            self._gate.close()
+            self._ctx.term()
+            raise
         self.host = host
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()  # a wake never writes to the fd number after close released it
@@ -71,10 +78,13 @@ class SideChannelServer:
             if self._wake_fd >= 0:
                 os.eventfd_write(self._wake_fd, 1)
 
+    def connections(self) -> int | None:
+        """The connections this server holds now, handshaking or not (None: not counted without a credential)."""
+        return None if self._gate.connections is None else len(self._gate.connections)
+
     def close(self) -> None:
         self._sock.close(0)
-        if self._auth is not None:
-            self._auth.stop()
+        self._gate.close()
         self._ctx.term()
         with self._wake_lock:
             os.close(self._wake_fd)
@@ -83,7 +93,10 @@ class SideChannelServer:
 
 # What a client's monitor reports when the server it dialled refused our handshake: final, raised at once.
 _HANDSHAKE_REFUSED = {
-    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "refused this side's credential",
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): (
+        "refused this side's handshake (not holding the deployment's credential, or holding all the connections it "
+        "allows)"
+    ),
     int(
         zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     ): "does not speak this side's security mechanism (one side has no credential)",
