@@ -43,7 +43,7 @@ from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.recent import RecentIds
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, hello_proof
-from glm_pd_common.handoff.wire.trust import Trust
+from glm_pd_common.handoff.wire.trust import KEEP_ALIVE, Trust
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.transport.base import TransportConfig
@@ -153,7 +153,7 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
             return
         ctx = self._zmq_ctx
         self._zap = self.trust.authenticator(ctx)
-        server = self.trust.server_options()
+        server: dict[int, int | bytes] = {**self.trust.server_options(), **KEEP_ALIVE}  # strangers go within 5 s
         for option, value in server.items():
             ctx.setsockopt(option, value)
         try:

@@ -182,12 +182,18 @@ class Trust:
 OPEN = Trust()  # no credential: loopback only (the tests' and a single host's default)
 
 
+# A connection must finish its handshake within HANDSHAKE_S, and one whose peer stops answering pings is closed:
+# neither a silent stranger nor a vanished peer holds a connection.
+KEEP_ALIVE: dict[int, int] = {
+    zmq.HANDSHAKE_IVL: int(HANDSHAKE_S * 1000),
+    zmq.HEARTBEAT_IVL: int(HEARTBEAT_S * 1000),
+    zmq.HEARTBEAT_TIMEOUT: int(3 * HEARTBEAT_S * 1000),
+}
+
+
 def _keep_alive(sock: zmq.Socket) -> None:
-    """A connection must finish its handshake within HANDSHAKE_S, and one whose peer stops answering pings is
-    closed: neither a silent stranger nor a vanished peer holds a connection."""
-    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * HEARTBEAT_S * 1000))
+    for option, value in KEEP_ALIVE.items():
+        sock.setsockopt(option, value)
 
 
 class LiveConnections:
