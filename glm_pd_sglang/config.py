@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.handoff.wire.trust import MAX_CONNECTIONS
 from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
 from glm_pd_common.transport.base import BACKENDS
 
@@ -31,6 +32,7 @@ class GlmPdSglangConfig:
     credential: str = ""  # the deployment's key: a *.key_secret file (`glm-pd keygen`) or env:NAME; needed off loopback
     insecure: bool = False  # run SGLang's disaggregation sockets unauthenticated off loopback
     decode_peers: int = 1024  # prefill: decode ranks registered at once (the least recently used idle one makes way)
+    connections: int = MAX_CONNECTIONS  # connections a rank's authenticated socket holds (past it, handshakes fail)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GlmPdSglangConfig:
@@ -47,8 +49,9 @@ class GlmPdSglangConfig:
         config = cls(**values)
         if config.transport not in BACKENDS:
             raise ConfigError(f"{PREFIX}TRANSPORT must be one of {BACKENDS}, got {config.transport!r}")
-        if config.decode_peers < 1:
-            raise ConfigError(f"{PREFIX}DECODE_PEERS must be at least 1, got {config.decode_peers}")
+        for name in ("decode_peers", "connections"):
+            if getattr(config, name) < 1:
+                raise ConfigError(f"{PREFIX}{name.upper()} must be at least 1, got {getattr(config, name)}")
         if config.timeout_s <= 0:
             raise ConfigError(f"{PREFIX}TIMEOUT_S must be positive, got {config.timeout_s}")
         if config.indexer_scale_format and config.indexer_scale_format not in INDEXER_SCALE_FORMATS:

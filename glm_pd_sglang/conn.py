@@ -34,7 +34,6 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils.common import get_device_capability
 from sglang.srt.utils.network import get_zmq_socket_on_host
-from zmq.auth.thread import ThreadAuthenticator
 
 from glm_pd_common.errors import ConfigError, GlmPdError
 from glm_pd_common.handoff.at_exit import close_at_exit
@@ -43,7 +42,7 @@ from glm_pd_common.handoff.lanes import LanePool
 from glm_pd_common.handoff.recent import RecentIds
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, hello_proof
-from glm_pd_common.handoff.wire.trust import KEEP_ALIVE, Trust
+from glm_pd_common.handoff.wire.trust import KEEP_ALIVE, Gate, Trust
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.transport.base import TransportConfig
@@ -88,7 +87,7 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
             raise ConfigError("the glm-pd backend moves MLA (DSA) caches; this model's KV pool is not MLA")
         self.glm_config = GlmPdSglangConfig.from_env()
         self.trust = Trust.from_settings(self.glm_config.credential, self.glm_config.insecure)
-        self._zap: ThreadAuthenticator | None = None  # the ZAP handler of this rank's authenticated socket
+        self._gate: Gate | None = None  # the authenticator and connection count of this rank's authenticated socket
         refuse_unsupported(get_parallel(), envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get())
         self._server_args = server_args
         self.geometry = model_geometry(server_args, self.glm_config.model_revision)
@@ -149,10 +148,9 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
         sends to its peers) is a client of such servers. Without one, an address off loopback is refused unless
         ``SGLANG_GLM_PD_INSECURE``."""
         self.trust.check_host(self.local_ip, "SGLang's disaggregation address (local_ip)")
-        if not self.trust.authenticated or self._zap is not None:
+        if not self.trust.authenticated or self._gate is not None:
             return
         ctx = self._zmq_ctx
-        self._zap = self.trust.authenticator(ctx)
         server: dict[int, int | bytes] = {**self.trust.server_options(), **KEEP_ALIVE}  # strangers go within 5 s
         for option, value in server.items():
             ctx.setsockopt(option, value)
@@ -161,6 +159,8 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
         finally:
             for option in server:
                 ctx.sockopts.pop(option, None)
+        # guarded before any peer learns the address (SGLang registers it with the bootstrap server afterwards)
+        self._gate = self.trust.guard(ctx, sock, self.glm_config.connections, f"sglang-{port}")
         self.server_socket.close(linger=0)
         self.server_socket, self.rank_port = sock, port
         for option, value in self.trust.client_options().items():
@@ -270,8 +270,8 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
             if not self._released:
                 self.transport.close()
         self.server_socket.close(linger=0)
-        if self._zap is not None:
-            self._zap.stop()
+        if self._gate is not None:
+            self._gate.close()
 
     def _add_stat(self, key: str, value: float) -> None:
         with self._lock:

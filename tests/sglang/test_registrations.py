@@ -40,9 +40,12 @@ def test_agent_names_differ_per_process_at_one_address() -> None:
     assert len(names) == 8 and all(n.startswith("glmpd-decode-10.0.0.1-5000-") for n in names)
 
 
-def test_the_cap_is_a_setting() -> None:
+def test_the_caps_are_settings() -> None:
     assert GlmPdSglangConfig.from_env({"SGLANG_GLM_PD_DECODE_PEERS": "8"}).decode_peers == 8
     with pytest.raises(ConfigError, match="SGLANG_GLM_PD_DECODE_PEERS must be at least 1, got 0"):
         GlmPdSglangConfig.from_env({"SGLANG_GLM_PD_DECODE_PEERS": "0"})
     with pytest.raises(ConfigError, match="must be an integer, got 'many'"):
         GlmPdSglangConfig.from_env({"SGLANG_GLM_PD_DECODE_PEERS": "many"})
+    assert GlmPdSglangConfig.from_env({"SGLANG_GLM_PD_CONNECTIONS": "64"}).connections == 64
+    with pytest.raises(ConfigError, match="SGLANG_GLM_PD_CONNECTIONS must be at least 1, got -1"):
+        GlmPdSglangConfig.from_env({"SGLANG_GLM_PD_CONNECTIONS": "-1"})

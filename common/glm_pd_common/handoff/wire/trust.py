@@ -169,6 +169,11 @@ class Trust:
         _keep_alive(sock)
         for option, value in self.server_options().items():
             sock.setsockopt(option, value)
+        return self.guard(context, sock, max_connections, name)
+
+    def guard(self, context: zmq.Context, sock: zmq.Socket, max_connections: int, name: str) -> Gate:
+        """The authenticator and connection count of ``sock``, a server made with ``server_options`` (by
+        ``serve``, or by an engine's own function); it must not be known to any peer yet."""
         connections = LiveConnections(sock, max_connections, name) if self.credential is not None else None
         return Gate(self.authenticator(context, connections), connections)
 
