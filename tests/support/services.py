@@ -62,9 +62,10 @@ class Prefill:
         on_thread: ThreadSetup = host_only,
         caps: PeerCaps = DEFAULT_CAPS,
         trust: Trust = OPEN,
+        memory: MemoryReader = HOST,
     ) -> None:
         self.caches, local = endpoint(spec, "prefill-0", timeout_s)
-        self.local = replace(local, on_thread=on_thread, trust=trust)
+        self.local = replace(local, on_thread=on_thread, trust=trust, memory=memory)
         self.table = np.arange(NUM_PAGES, dtype=np.int64)[::-1].copy()
         self.caches.write_tokens(self.table, 0, NUM_PAGES * PAGE_TOKENS, seed=SEED)
         self.service = PrefillService(
@@ -107,13 +108,14 @@ class Decode:
         on_thread: ThreadSetup = host_only,
         memory: MemoryReader = HOST,
         trust: Trust = OPEN,
+        verify: bool = True,
     ) -> None:
         self.caches, local = endpoint(spec, name, timeout_s)
         self.faults = Injector()
         transport = FaultyTransport(local.transport, self.faults)
         self.local = replace(local, transport=transport, on_thread=on_thread, memory=memory, trust=trust)
         self.service = DecodeService(
-            self.local, timeout_s=timeout_s, verify_digests=True, heartbeat_s=beat_s, faults=self.faults
+            self.local, timeout_s=timeout_s, verify_digests=verify, heartbeat_s=beat_s, faults=self.faults
         )
 
     def load(self, prefill: Prefill, request_id: str, num_tokens: int, fault: str = "") -> LoadResult:

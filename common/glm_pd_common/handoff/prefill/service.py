@@ -15,6 +15,8 @@ Leases measure decode's time: every deadline here reads the service clock (``clo
 thread is away (held up between two waits or inside one, as when the process is stopped), so every lease, pending
 claim, unready grant, waiting subscription and decode's silence is held over by as long, and what queued meanwhile
 is answered before leases expire.
+A claim that asks for digests is answered once a digest thread has computed them (on a GPU, every run is copied to
+the host first: seconds for a long request), so the service thread serves every other request meanwhile.
 Decode renews the leases of requests still waiting for its blocks (``Renew``); only unclaimed live leases
 are extended.
 A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
@@ -35,6 +37,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,10 +57,12 @@ from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.wire.sidechannel import SideChannelServer, SideChannelTimeout
+from glm_pd_common.layout.plan import TransferPlan
 from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan_digests
 
 logger = logging.getLogger(__name__)
 
+DIGEST_THREADS = 2  # claims digested at once (each reads its plan's source runs)
 _QUEUED_PER_TURN = 256  # messages answered before expiry each turn; more wait a turn (grants are not starved)
 
 
@@ -68,6 +73,16 @@ class Finished:
     request_id: str
     outcome: str  # released | aborted | expired
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class _Digested:
+    """A claim's digests, computed off the service thread, on their way back to it (or why there are none)."""
+
+    ident: bytes
+    request_id: str
+    digests: list[int] | None
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,9 +124,14 @@ class PrefillService:
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)  # one per lease
         self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
         self._decodes = DecodePeers(caps.peers, peer_idle_s)
-        self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance] = queue.SimpleQueue()  # engine calls, in order
+        # engine calls in order, and claims' digests back from their threads
+        self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance | _Digested] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()  # what the engine may free
         self._stop = threading.Event()
+        # a claim's digests (seconds for a GPU region's copies) are computed here, never on the service thread
+        self._digests = ThreadPoolExecutor(
+            DIGEST_THREADS, thread_name_prefix=f"glm-pd-digest-{local.engine_id}", initializer=local.on_thread
+        )
         self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{local.engine_id}", daemon=True)
         self._thread.start()
         self._withdraw_exit = close_at_exit(self.close)
@@ -172,6 +192,7 @@ class PrefillService:
         self._stop.set()
         self.server.wake()
         self._thread.join(timeout=10)
+        self._digests.shutdown(wait=True, cancel_futures=True)
         self.server.close()
 
     # -- the service thread -----------------------------------------------------------------------
@@ -187,6 +208,8 @@ class PrefillService:
         for call in drain(self._inbox):
             if isinstance(call, _Grant):
                 self._on_grant(call)
+            elif isinstance(call, _Digested):
+                self._on_digested(call)
             else:
                 self._send_all(self._streams.take(call))
         self._poll_unready()
@@ -378,17 +401,35 @@ class PrefillService:
             code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
             self._fail(ident, msg.request_id, str(exc), code)
             return
-        try:
-            digests = plan_digests(plan, "src", self.local.memory) if msg.verify else None
-        except GlmPdError as exc:  # memory this rank cannot read: decode's verification cannot be served
-            self._fail(ident, msg.request_id, str(exc), "digest")
+        if not msg.verify:
+            self.server.send(ident, protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id))
             return
-        if msg.verify:
-            self._leases.keep_plan(msg.request_id, ident, plan)
-        self.server.send(
-            ident,
-            protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id, digests=digests),
-        )
+        self._leases.keep_plan(msg.request_id, ident, plan)
+        self._digests.submit(self._digest, ident, msg.request_id, plan)  # answered when they are back
+
+    def _digest(self, ident: bytes, request_id: str, plan: TransferPlan) -> None:
+        """On a digest thread: a claim's source digests (a GPU region's take a device-to-host copy of every run),
+        handed back to the service thread, which answers the claim."""
+        try:
+            done = _Digested(ident, request_id, plan_digests(plan, "src", self.local.memory))
+        except Exception as exc:  # memory this rank cannot read (or a bug): decode's verification cannot be served
+            done = _Digested(ident, request_id, None, str(exc) if isinstance(exc, GlmPdError) else repr(exc))
+        self._inbox.put(done)
+        self.server.wake()
+
+    def _on_digested(self, done: _Digested) -> None:
+        """Answer the claim whose digests came back, if its lease is still claimed by that decode rank (one that
+        ended meanwhile is failed as it ended: the claimant waits for an answer)."""
+        lease = self._leases.get(done.request_id)
+        if lease is None or lease.state is not LeaseState.CLAIMED or done.ident not in lease.claimants:
+            ended = self._leases.ended.get(done.request_id) or "it ended"
+            code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
+            self._fail(done.ident, done.request_id, f"prefill's lease on this request already ended: {ended}", code)
+        elif done.digests is None:
+            self._fail(done.ident, done.request_id, done.error, "digest")
+        else:
+            claimed = protocol.Claimed(v=PROTOCOL_VERSION, request_id=done.request_id, digests=done.digests)
+            self.server.send(done.ident, claimed)
 
     def _wait(self, ident: bytes, msg: protocol.TransferRequest | protocol.Done, pages: int) -> None:
         """Keep a message that came before its grant, within the caps (refused by name past them, kept never)."""
