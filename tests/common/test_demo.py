@@ -1,5 +1,6 @@
 """Smoke tests of ``glm-pd demo``: two real processes, a real transport, every decode byte checked."""
 
+import ctypes.util
 import json
 import re
 import subprocess
@@ -47,7 +48,7 @@ def test_demo_hands_off_and_verifies(transport, p, d, allocator):
     assert out["states"] == ["BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS"]
     assert out["bytes"]["total"] == out["bytes"]["main"] + out["bytes"]["indexer"] > 0
     assert out["bytes"]["indexer"] > 0  # the indexer travelled, in its own regions
-    assert out["regions"] == 101 and out["prefill_outcome"] == "released"
+    assert out["regions"] == 101 and out["prefill_outcome"] == "released" and out["memory"] == "host"
     # Measured on decode: its own prefix bytes untouched (GLM-5.3: 79 main rows of 656 B, 22 indexer rows of
     # 132 B per token), and every suffix token equal to prefill's.
     assert out["prefix_bytes_kept"] == 512 * (79 * 656 + 22 * 132)
@@ -67,6 +68,17 @@ def test_demo_refuses_tcp_unless_allowed():
     proc = demo("--tokens", "512", "--prefix-tokens", "0")
     assert proc.returncode != 0
     assert "would move KV over TCP" in proc.stderr and "--allow-tcp" in proc.stderr
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="this machine has a CUDA driver")
+def test_demo_on_a_gpu_is_refused_before_any_process_where_there_is_none():
+    proc = demo("--allow-tcp", "--tokens", "512", "--prefix-tokens", "0", "--device", "cuda:1")
+    assert proc.returncode == 2 and "no CUDA driver (libcuda) on this machine" in proc.stderr, proc.stderr
+
+
+def test_a_device_that_is_not_cpu_or_cuda_is_refused_by_name():
+    proc = demo("--device", "gpu1")
+    assert proc.returncode == 2 and "'gpu1': expected cpu, cuda or cuda:N" in proc.stderr, proc.stderr
 
 
 def test_million_tokens_refused_where_memory_is_short():

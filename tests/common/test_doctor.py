@@ -71,6 +71,7 @@ def prefill_peer(credential):
         "timeout_s": 20,
         "lease_s": 20,
         "credential": credential,
+        "device": None,
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "glm_pd_common.tools.demo_peers", "prefill"],

@@ -23,6 +23,7 @@ from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.args import token_count
+from glm_pd_common.tools.cuda_driver import CudaDevice
 from glm_pd_common.tools.demo_peers import MARK
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.tools.report import human_bytes, human_seconds, print_table
@@ -36,8 +37,19 @@ def available_memory_bytes() -> int:
     return 0
 
 
+def device_index(text: str) -> int | None:
+    """``--device``: None for host memory, else the GPU's index (``cuda`` is GPU 0)."""
+    kind, _, index = text.partition(":")
+    if kind == "cpu" and not index:
+        return None
+    if kind == "cuda" and (not index or index.isdigit()):
+        return int(index or 0)
+    raise argparse.ArgumentTypeError(f"{text!r}: expected cpu, cuda or cuda:N")
+
+
 def check_job(job: dict[str, Any]) -> None:
-    """Refuse, before any process starts, what cannot run: bad sizes, or more memory than the machine has."""
+    """Refuse, before any process starts, what cannot run: bad sizes, more memory than the machine has, a GPU
+    that is not there."""
     for side in ("prefill", "decode"):
         check_page_tokens(job[f"{side}_page_tokens"], what=f"--{side}-page-tokens")
     n, prefix, d_pt = job["tokens"], job["prefix_tokens"], job["decode_page_tokens"]
@@ -50,6 +62,8 @@ def check_job(job: dict[str, Any]) -> None:
         HostCaches.bytes_needed(spec, page_tokens=pt, num_pages=int(num_pages_for(n, pt) * 1.25) + 2)
         for pt in (job["prefill_page_tokens"], d_pt)
     )
+    if job["device"] is not None:
+        CudaDevice(job["device"])  # no driver, or no such GPU: said here, not by both processes
     have = available_memory_bytes()
     if need > 0.85 * have:
         raise ConfigError(
@@ -138,6 +152,7 @@ def summarize(job: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
         "allocator": job["allocator"],
         "states": r.get("states", []),
         "data_path": r.get("transport", {}).get("data_path"),
+        "memory": "host" if job["device"] is None else f"GPU {job['device']}",
         "prefill_outcome": r["prefill"].get("outcome"),
         "side_channel": "CURVE, authenticated with the deployment key",
     }
@@ -167,6 +182,7 @@ def print_report(s: dict[str, Any]) -> None:
         ("result", "OK: every decode byte verified" if s["ok"] else f"FAILED: {s.get('error', 'see above')}"),
         ("request states", " -> ".join(s["states"])),
         ("transport", f"{s['transport']}: {s['data_path']}"),
+        ("caches in", s["memory"]),
         ("side channel", s["side_channel"]),
     ]
     if "bytes" in s:
@@ -219,6 +235,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allocator", choices=["contiguous", "shuffled"], default="shuffled")
     p.add_argument("--transport", choices=["nixl", "mooncake"], default="nixl")
     p.add_argument("--allow-tcp", action="store_true", help="accept a data path without RDMA (this box has none)")
+    p.add_argument(
+        "--device",
+        type=device_index,
+        default=None,
+        metavar="cpu|cuda[:N]",
+        help="where both sides' caches live: host memory (default), or GPU N (a first check on a GPU node)",
+    )
     p.add_argument("--mismatch", choices=sorted(MISMATCHES), help="make prefill differ in one fingerprint field")
     p.add_argument("--no-verify", action="store_true", help="skip the per-region digest check")
     p.add_argument(
@@ -254,6 +277,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         "lease_s": args.timeout,
         "inject_corruption": args.inject_corruption,
         "credential": args.credential,
+        "device": args.device,
     }
     check_job(job)
     with tempfile.TemporaryDirectory(prefix="glm-pd-demo-") as keys:

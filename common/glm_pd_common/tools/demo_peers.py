@@ -29,9 +29,12 @@ from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.cuda_driver import CudaDevice
+from glm_pd_common.tools.devicemem import DeviceCaches, driver_copier
 from glm_pd_common.tools.hostmem import HostCaches, memcpy_gbps
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.factory import create_transport
+from glm_pd_common.transport.memory import StagedMemory
 
 SEED = 20261201  # prefill's content for every token
 DECODE_PREFIX_SEED = SEED + 1  # decode's prefix hit holds other bytes, so a read that strays into it shows
@@ -70,10 +73,16 @@ def page_table(num_pages: int, pool_pages: int, allocator: str, seed: int) -> np
     return np.random.default_rng(seed).permutation(pool_pages)[:num_pages].astype(np.int64)
 
 
-def _caches(spec: CacheSpec, job: dict[str, Any], page_tokens: int, seed: int) -> tuple[HostCaches, np.ndarray]:
+def _caches(
+    spec: CacheSpec, job: dict[str, Any], page_tokens: int, seed: int, device: CudaDevice | None
+) -> tuple[HostCaches, np.ndarray]:
+    """One side's caches (in host memory, or on ``device``) and its request's page table."""
     pages = num_pages_for(job["tokens"], page_tokens)
     pool = pages if job["allocator"] == "contiguous" else pages + max(pages // 4, 2)
-    return HostCaches(spec, page_tokens=page_tokens, num_pages=pool), page_table(pages, pool, job["allocator"], seed)
+    table = page_table(pages, pool, job["allocator"], seed)
+    if device is None:
+        return HostCaches(spec, page_tokens=page_tokens, num_pages=pool), table
+    return DeviceCaches(spec, page_tokens=page_tokens, num_pages=pool, device=device), table
 
 
 MARK = "GLMPD "  # libraries log to stdout too; the reports are the lines carrying this mark
@@ -87,14 +96,22 @@ def _emit(obj: dict[str, Any]) -> None:
 def _endpoint(job: dict[str, Any], role: str, page_tokens: int) -> tuple[HostCaches, np.ndarray, Endpoint]:
     """One side's caches (page table drawn per role), its registered transport, and its endpoint."""
     spec = job_spec(job, role)
-    caches, table = _caches(spec, job, page_tokens, seed=1 if role == "prefill" else 2)
-    transport = create_transport(
-        f"{role}-0", TransportConfig(backend=job["transport"], allow_tcp=job["allow_tcp"], timeout_s=job["timeout_s"])
+    device = None if job["device"] is None else CudaDevice(job["device"])
+    caches, table = _caches(spec, job, page_tokens, 1 if role == "prefill" else 2, device)
+    config = TransportConfig(
+        backend=job["transport"],
+        allow_tcp=job["allow_tcp"],
+        timeout_s=job["timeout_s"],
+        posts="READ" if role == "decode" else None,  # decode pulls: the path UCX picks for it is observed on a GPU
     )
+    transport = create_transport(f"{role}-0", config)
     transport.register(caches.regions)
     trust = Trust.from_settings(job["credential"], insecure=False)
     shape = PeerShape(page_tokens, 1, 0)
-    return caches, table, Endpoint(f"{role}-0", spec, caches.regions, transport, shape, trust=trust)
+    local = Endpoint(f"{role}-0", spec, caches.regions, transport, shape, trust=trust)
+    if device is not None:  # every glm-pd thread on the device's context; digests copy runs through the driver
+        local = dataclasses.replace(local, memory=StagedMemory(driver_copier(device)), on_thread=device.make_current)
+    return caches, table, local
 
 
 def run_prefill(job: dict[str, Any]) -> int:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import ctypes
-import ctypes.util
 import json
 import select
 import subprocess
@@ -20,7 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.regions import Region
+from glm_pd_common.tools.cuda_driver import CudaDevice
 from glm_pd_common.tools.flat import flat_region, flat_span
 from glm_pd_common.transport.base import Op, Span, TransportConfig
 from glm_pd_common.transport.factory import create_transport
@@ -38,23 +38,11 @@ def _buffer(memory: str, device: int) -> tuple[Region, Callable[[], object]]:
 
 
 def _cuda_alloc(device: int, size: int) -> int:
-    """``size`` bytes on GPU ``device`` through the CUDA driver itself (the core imports no torch); freed when the
-    probe process exits."""
-    path = ctypes.util.find_library("cuda")
-    if path is None:
-        raise SystemExit("no CUDA driver (libcuda) on this machine: there is no GPU memory to probe")
-    cuda = ctypes.CDLL(path)
-    context, pointer = ctypes.c_void_p(), ctypes.c_uint64()
-    for call, args in (
-        ("cuInit", (0,)),
-        ("cuDevicePrimaryCtxRetain", (ctypes.byref(context), device)),
-        ("cuCtxSetCurrent", (context,)),
-        ("cuMemAlloc_v2", (ctypes.byref(pointer), ctypes.c_size_t(size))),
-    ):
-        status = getattr(cuda, call)(*args)
-        if status != 0:
-            raise SystemExit(f"{call} on GPU {device} failed: CUDA error {status}")
-    return int(pointer.value)
+    """``size`` bytes on GPU ``device`` through the CUDA driver; freed when the probe process exits."""
+    try:
+        return CudaDevice(device).alloc(size)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _announce(transport, region: Region) -> dict:

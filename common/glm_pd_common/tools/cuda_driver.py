@@ -1,0 +1,58 @@
+"""The CUDA driver through ctypes, for the tools that put buffers in GPU memory (the demo's caches, the data-path
+probe): the core imports no torch. A device's primary context is made current on every thread that touches its
+memory (a thread starts on no context: the driver would fail, or act on another device)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import numpy as np
+
+from glm_pd_common.errors import ConfigError
+
+
+class CudaDevice:
+    """GPU ``index`` in this process: allocations and host <-> device copies (each waits for its copy)."""
+
+    def __init__(self, index: int) -> None:
+        path = ctypes.util.find_library("cuda")
+        if path is None:
+            raise ConfigError("no CUDA driver (libcuda) on this machine: there is no GPU memory to use")
+        self._cuda = ctypes.CDLL(path)
+        self.index = index
+        self._call("cuInit", 0)
+        count = ctypes.c_int()
+        self._call("cuDeviceGetCount", ctypes.byref(count))
+        if not 0 <= index < count.value:
+            raise ConfigError(f"no GPU {index}: the CUDA driver lists {count.value}")
+        self._context = ctypes.c_void_p()
+        self._call("cuDevicePrimaryCtxRetain", ctypes.byref(self._context), index)
+        self.make_current()
+
+    def _call(self, name: str, *args: object) -> None:
+        status = getattr(self._cuda, name)(*args)
+        if status != 0:
+            raise ConfigError(f"{name} on GPU {self.index} failed: CUDA error {status}")
+
+    def make_current(self) -> None:
+        """This device's context on the calling thread (a ``ThreadSetup`` for the threads glm-pd starts)."""
+        self._call("cuCtxSetCurrent", self._context)
+
+    def alloc(self, size: int) -> int:
+        """``size`` bytes of device memory, held until the process exits."""
+        pointer = ctypes.c_uint64()
+        self._call("cuMemAlloc_v2", ctypes.byref(pointer), ctypes.c_size_t(size))
+        return int(pointer.value)
+
+    def upload(self, pointer: int, host: np.ndarray) -> None:
+        """``host`` (contiguous) to device memory at ``pointer``."""
+        self._call(
+            "cuMemcpyHtoD_v2", ctypes.c_uint64(pointer), ctypes.c_void_p(host.ctypes.data), ctypes.c_size_t(host.nbytes)
+        )
+
+    def download(self, host: np.ndarray, pointer: int) -> None:
+        """Device memory at ``pointer`` into ``host`` (contiguous, its whole size)."""
+        self._call(
+            "cuMemcpyDtoH_v2", ctypes.c_void_p(host.ctypes.data), ctypes.c_uint64(pointer), ctypes.c_size_t(host.nbytes)
+        )
