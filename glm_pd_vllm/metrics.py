@@ -15,6 +15,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from glm_pd_common.transport.datapath import PATHS
 from glm_pd_vllm.stats import FAILURE_CODES, KINDS, PREFILL_OUTCOMES, GlmPdStats
 
 # A small request moves a few MB in milliseconds; GLM-5.3 at 1M tokens moves ~57 GB: ~0.15 s over RDMA,
@@ -57,6 +58,13 @@ class GlmPdPromMetrics(KVConnectorPromMetrics):
         )
         self.loads_ok = self._children(loads, "ok", "ok")
         self.loads_failed = {code: self._children(loads, "failed", code) for code in FAILURE_CODES}
+        paths = self._counter_cls(
+            name="vllm:glm_pd_loads_by_path",
+            documentation="Successful GlmPdConnector loads by the data path they moved on (for GPU memory what UCX "
+            "chose, observed at start-up; else rdma or tcp by the transport's devices).",
+            labelnames=[*labelnames, "path"],
+        )
+        self.loads_by_path = {path: self._children(paths, path) for path in PATHS}
         leases = self._counter_cls(
             name="vllm:glm_pd_prefill_leases",
             documentation="Prefill leases ended, by outcome: released by decode, aborted, or expired unread.",
@@ -82,3 +90,5 @@ class GlmPdPromMetrics(KVConnectorPromMetrics):
             self.loads_failed[code][engine_idx].inc(n)
         for outcome in PREFILL_OUTCOMES:
             self.prefill_leases[outcome][engine_idx].inc(data[f"prefill_{outcome}"])
+        for path in PATHS:
+            self.loads_by_path[path][engine_idx].inc(data[f"path_{path}"])

@@ -16,6 +16,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from glm_pd_common.handoff.wire.protocol import FAILURE_CODES
+from glm_pd_common.transport.datapath import PATHS
 
 KINDS = ("main", "indexer")  # region kinds a plan moves (common.layout.regions.RegionKind)
 PREFILL_OUTCOMES = ("released", "aborted", "expired")  # common.handoff.prefill_service.Finished.outcome
@@ -24,7 +25,7 @@ _LISTS = ("transfer_s", "runs")  # one entry per successful load, aligned
 
 
 def _counts() -> dict[str, int]:
-    names = [f"bytes_{k}" for k in KINDS] + [f"failed_{c}" for c in FAILURE_CODES]
+    names = [f"bytes_{k}" for k in KINDS] + [f"failed_{c}" for c in FAILURE_CODES] + [f"path_{p}" for p in PATHS]
     return dict.fromkeys(names + [f"prefill_{o}" for o in PREFILL_OUTCOMES], 0)
 
 
@@ -56,12 +57,15 @@ class GlmPdStats(KVConnectorStats):
             raise ValueError("GlmPdStats: transfer_s and runs must have one entry per load")
 
     # -- what the worker records ----------------------------------------------------------------
-    def loaded(self, seconds: float, bytes_by_kind: dict[str, int], runs: int) -> None:
-        """One successful load: its wall time, the bytes it moved per region kind, the runs it posted."""
+    def loaded(self, seconds: float, bytes_by_kind: dict[str, int], runs: int, path: str) -> None:
+        """One successful load: its wall time, the bytes it moved per region kind, the runs it posted, and the data
+        path its rank's transport moves them on (``datapath.PATHS``)."""
         if seconds < 0 or runs < 0:
             raise ValueError(f"GlmPdStats: negative load seconds {seconds} or runs {runs}")
+        _check(path, PATHS, "data path")
         for kind in bytes_by_kind:
             _check(kind, KINDS, "region kind")
+        self.data[f"path_{path}"] += 1
         for kind, n in bytes_by_kind.items():
             self.data[f"bytes_{kind}"] += int(n)
         self.data["transfer_s"].append(float(seconds))
@@ -116,5 +120,6 @@ class GlmPdStats(KVConnectorStats):
             total_s = float(seconds.sum())
             out["Throughput (GB/s)"] = round(moved / total_s / 1e9, 3) if total_s > 0 else 0.0
         out.update({f"MiB {k}": round(self.data[f"bytes_{k}"] / 2**20, 3) for k in KINDS})
+        out.update({f"Loads over {p}": self.data[f"path_{p}"] for p in PATHS if self.data[f"path_{p}"]})
         out.update({f"Prefill {o}": self.data[f"prefill_{o}"] for o in PREFILL_OUTCOMES if self.data[f"prefill_{o}"]})
         return out

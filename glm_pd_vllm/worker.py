@@ -82,6 +82,7 @@ class GlmPdWorker:
         self._idle_wait_s = min(config.idle_wait_s, renew_interval(config.lease_s) / 2)
         self._idle = False  # this step schedules no tokens
         self._reported_load = False  # the last step reported a load's end: vLLM may have queued its next step
+        self._path = "unknown"  # the data path loads move on (``TransportInfo.path``), once caches are registered
         self.stats = GlmPdStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -144,13 +145,15 @@ class GlmPdWorker:
                 timeout_s=self.config.timeout_s,
                 verify_digests=self.config.verify_checksums,
             )
+        info = self.transport.info()
+        self._path = info.path  # each load's metrics label
         logger.info(
             "GlmPdConnector worker %s: %d regions of %d-token pages, fingerprint %s, transport %s",
             name,
             len(regions),
             regions[0].page_tokens,
             self.spec.fingerprint().digest(),
-            self.transport.info().data_path,
+            info.data_path,
         )
 
     def address(self) -> RankAddress | None:
@@ -267,7 +270,7 @@ class GlmPdWorker:
                 out.finished_recving.add(result.request_id)
                 blocks = self._inflight.pop(result.request_id)
                 if result.ok:
-                    self.stats.loaded(result.seconds, result.bytes_by_kind, result.runs)
+                    self.stats.loaded(result.seconds, result.bytes_by_kind, result.runs, self._path)
                 else:
                     out.failed_recving.add(result.request_id)
                     self._load_errors.update(blocks)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from glm_pd_common.transport.datapath import between_peers, judge_gpu_path, parse
+from glm_pd_common.transport.base import TransportConfig, rdma_devices
+from glm_pd_common.transport.datapath import PATHS, between_peers, judge_gpu_path, parse
+from glm_pd_common.transport.factory import create_transport
 
 TABLES = Path(__file__).parent / "data" / "ucx_proto"
 
@@ -66,3 +68,15 @@ def test_a_gpu_write_over_tcp_is_refused_with_the_nic_fix():
 
 def test_no_table_for_the_memory_asked_is_none():
     assert between_peers(parse((TABLES / "host_cma.txt").read_text()), "READ", "cuda") is None
+
+
+def test_the_transports_path_in_one_word_is_what_metrics_label_loads_with():
+    """Host caches on a box without RDMA: NIXL says tcp (its refusal's word for the fallback), one of the labels."""
+    if rdma_devices():
+        pytest.skip("this machine has RDMA devices")
+    transport = create_transport("path-word", TransportConfig(allow_tcp=True))
+    try:
+        info = transport.info()
+        assert info.path == "tcp" and info.path in PATHS and not info.rdma, info
+    finally:
+        transport.close()

@@ -27,6 +27,7 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+from glm_pd_common.transport.datapath import PATHS
 from glm_pd_vllm.connector import GlmPdConnector
 from glm_pd_vllm.metrics import GlmPdPromMetrics
 from glm_pd_vllm.stats import FAILURE_CODES, GlmPdStats
@@ -40,6 +41,7 @@ LOADS = [
     [(0.02, {"main": 1_000_000, "indexer": 200_000}, 7)],
 ]
 FAILURES = [["digest", "lease_expired"], ["lease_expired", "transport", "timeout"]]
+PATHS_OF = ["rdma", "cuda_ipc"]  # each worker's data path (rank 1's GPU reads within a node)
 PREFILL = [["released", "expired"], ["released"]]
 
 
@@ -61,7 +63,7 @@ def clean_registry():
 def worker_stats(rank: int) -> GlmPdStats:
     stats = GlmPdStats()
     for seconds, by_kind, runs in LOADS[rank]:
-        stats.loaded(seconds, by_kind, runs)
+        stats.loaded(seconds, by_kind, runs, PATHS_OF[rank])
     for code in FAILURES[rank]:
         stats.failed(code)
     for outcome in PREFILL[rank]:
@@ -117,6 +119,9 @@ def test_prometheus_series_from_two_workers(vllm_config):
     outcomes = [o for rank in PREFILL for o in rank]
     for outcome in ("released", "aborted", "expired"):
         assert sample("vllm:glm_pd_prefill_leases_total", outcome=outcome) == outcomes.count(outcome)
+    for path in PATHS:  # every path is a series; loads count on their rank's
+        want = sum(len(rank) for rank, p in zip(LOADS, PATHS_OF, strict=True) if p == path)
+        assert sample("vllm:glm_pd_loads_by_path_total", path=path) == want, path
     # the other engine's series exist and are untouched
     assert sample("vllm:glm_pd_transfer_seconds_count", engine="1") == 0
     assert sample("vllm:glm_pd_loads_total", engine="1", outcome="failed", reason="lease_expired") == 0
@@ -169,6 +174,7 @@ def test_log_line_through_vllms_logging(vllm_config):
     main = sum(by_kind["main"] for _, by_kind, _ in loads)
     assert float(fields["MiB main"]) == pytest.approx(main / 2**20, abs=1e-3)
     assert int(fields["Prefill released"]) == 4 and "Prefill aborted" not in fields
+    assert int(fields["Loads over rdma"]) == 2 * len(LOADS[0]) and "Loads over tcp" not in fields
     assert logging.transfer_stats_accumulator is None  # vLLM reset it for the next interval
 
 
@@ -203,7 +209,9 @@ def test_unknown_values_are_refused():
     with pytest.raises(ValueError, match="failure code"):
         stats.failed("flaky")
     with pytest.raises(ValueError, match="region kind"):
-        stats.loaded(0.1, {"mtp": 10}, 1)
+        stats.loaded(0.1, {"mtp": 10}, 1, "rdma")
+    with pytest.raises(ValueError, match="data path"):
+        stats.loaded(0.1, {"main": 10}, 1, "carrier pigeon")
     with pytest.raises(ValueError, match="prefill outcome"):
         stats.prefill_outcome("leaked")
     with pytest.raises(ValueError, match="unknown keys"):

@@ -55,6 +55,7 @@ class TransportInfo:
     backend: str
     version: str
     data_path: str
+    path: str  # ``datapath.PATHS``: the path in one word
     rdma: bool
     rdma_devices: tuple[str, ...]
     notes: tuple[str, ...] = ()

@@ -30,6 +30,10 @@ RDMA_TRANSPORTS = ("rc", "dc", "ud", "srd")  # verbs (mlx5 and generic) and EFA
 SHARED_MEMORY = ("cma", "sysv", "posix", "knem", "xpmem", "self")
 
 
+# The path in one word, as metrics label it: what UCX chose for GPU memory, else RDMA or TCP by the transport's devices
+PATHS = ("rdma", "cuda_ipc", "shared memory", "tcp", "emulation", "unknown")
+
+
 @dataclass(frozen=True)
 class Selection:
     """UCX's choice for the largest messages of one operation between two memory types."""

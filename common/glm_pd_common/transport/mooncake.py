@@ -207,6 +207,7 @@ class MooncakeTransport(Transport):
             if _installed("mooncake-transfer-engine-non-cuda")
             else pkg_metadata.version("mooncake-transfer-engine"),
             data_path=path,
+            path="tcp" if self._tcp else "rdma",
             rdma=not self._tcp,
             rdma_devices=self._devices,
             notes=(f"session {self.session_id}, metadata P2PHANDSHAKE",),

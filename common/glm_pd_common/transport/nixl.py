@@ -77,6 +77,7 @@ class NixlTransport(Transport):
             self._agent = nixl_agent(agent_name, conf)
         self._reg: list[object] = []
         self._observed = ""  # what UCX picks for GPU memory, once a probe ran (``_observe_gpu_path``)
+        self._observed_path = ""  # the same in one word (``datapath.PATHS``)
         self._backlog: list[tuple[str, bytes]] = []
         self._backlog_lock = threading.Lock()
 
@@ -103,6 +104,7 @@ class NixlTransport(Transport):
             raise ConfigError(f"{verdict.detail}. Fix: {verdict.fix}")
         if verdict.fix:  # accepted only because the operator allowed TCP: say what it costs, every start
             logger.warning("glm-pd: %s; to move GPU memory at speed: %s", verdict.detail, verdict.fix)
+        self._observed_path = chosen.path
         return verdict.detail + " (probed within this node)"
 
     def _metadata(self) -> bytes:
@@ -193,11 +195,13 @@ class NixlTransport(Transport):
             path = f"UCX without RDMA: tcp between hosts, cma/shared memory within one (UCX_TLS={tls})"
         if self._observed:
             path = f"{path}; {self._observed}"
+        rdma = bool(self._devices) and _tls_allows_rdma()
         return TransportInfo(
             backend="nixl",
             version=pkg_metadata.version("nixl"),
             data_path=path,
-            rdma=bool(self._devices) and _tls_allows_rdma(),
+            path=self._observed_path or ("rdma" if rdma else "tcp"),
+            rdma=rdma,
             rdma_devices=self._devices,
             notes=("UCX_PROTO_INFO=y prints the protocol UCX picks per operation",),
         )
