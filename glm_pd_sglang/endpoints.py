@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
@@ -54,6 +55,7 @@ class GlmPdKVReceiver(CommonKVReceiver):
     _pages: np.ndarray | None = None
     _verified: bool = False
     _verifying: Future[str | None] | None = None
+    _verify_by = 0.0  # monotonic deadline of the verification
 
     def __init__(self, mgr: GlmPdKVManager, *args: Any, **kwargs: Any) -> None:
         for option, value in mgr.trust.client_options().items():
@@ -111,16 +113,24 @@ class GlmPdKVReceiver(CommonKVReceiver):
 
     def poll(self) -> int:
         """SGLang's state, but with checksums on, Success only once glm-pd's verifier thread found the landed
-        bytes equal to prefill's digests (Transferring meanwhile): the scheduler thread never hashes a page."""
+        bytes equal to prefill's digests (Transferring meanwhile): the scheduler thread never hashes a page. A
+        verification not done within ``timeout_s`` fails the room (SGLang's own timeouts do not cover this
+        state)."""
         status = super().poll()
         mgr: GlmPdKVManager = self.kv_mgr
         if status == KVPoll.Success and mgr.glm_config.verify_checksums and not self._verified:
             if self._verifying is None:
                 pages = self._pages if self._pages is not None else np.zeros(0, dtype=np.int64)
                 self._verifying = mgr.verify_later(self.bootstrap_room, pages)
+                self._verify_by = time.monotonic() + mgr.glm_config.timeout_s
             if not self._verifying.done():
-                return KVPoll.Transferring
-            problem = self._verifying.result()
+                if time.monotonic() < self._verify_by:
+                    return KVPoll.Transferring
+                self._verifying.cancel()  # if it has not started: the verifier's next room need not wait for it
+                timeout = mgr.glm_config.timeout_s
+                problem: str | None = f"the landed bytes were not verified within {timeout:g} s (the verifier is stuck)"
+            else:
+                problem = self._verifying.result()
             if problem is not None:
                 mgr.record_failure(self.bootstrap_room, f"glm-pd room {self.bootstrap_room}: {problem}")
                 mgr.update_status(self.bootstrap_room, KVPoll.Failed)

@@ -45,6 +45,8 @@ class RoomVerification:
         """Compare what landed with prefill's digests; returns the problem, or None when every region matches."""
         with self._lock:  # against the listener adding a rank's digests and the receiver's clear
             sent = self._digests.pop(room, None)
+        if self.faults is not None:
+            self.faults.at(str(room), "verifying")
         if self.faults is not None and pages.size:
             region = self.caches.regions[-1]  # the room's last page of one region: bytes its digests compare
             self.faults.landed(str(room), region, int(pages[-1]) * region.page_stride)

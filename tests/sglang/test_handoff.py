@@ -134,6 +134,19 @@ def test_digest_verification_catches_a_flipped_byte(pair) -> None:
     assert_clean(prefill, decode)
 
 
+def test_a_verification_that_does_not_end_fails_its_room_within_the_timeout(pair) -> None:
+    """The verifier stalls on room 55 past decode's 3 s ``timeout_s`` (an injected stall standing in for a stuck
+    device copy): the room fails naming it instead of staying Transferring, and the next room verifies and lands
+    once the stall ends."""
+    requests = [{"room": 55, "tokens": 500, "fault": "stall_verify:4"}, {"room": 56, "tokens": 500}]
+    env = {"SGLANG_GLM_PD_VERIFY_CHECKSUMS": "1"}
+    prefill, decode = pair.run(requests, env=env, decode_env={"SGLANG_GLM_PD_TIMEOUT_S": "3"})
+    stalled, after = decode["results"]
+    assert stalled["states"] == [FAILED] and "not verified within 3 s" in stalled["reasons"][0], stalled
+    assert after["states"] == [SUCCESS], after
+    assert_exact({"results": prefill["results"][1:]}, {"results": [after]})
+
+
 def test_prefill_gone_fails_the_room_without_a_hang(pair) -> None:
     env = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
     requests = [{"room": 61, "tokens": 900, "prefill_exit": "after_bootstrap"}]

@@ -33,6 +33,7 @@ STALLS: dict[FaultPoint, str] = {
     "before_claim": "stall_before_claim",
     "mid_transfer": "stall_mid",
     "before_release": "stall_before_release",
+    "verifying": "stall_verify",
 }
 TRANSPORT_FAULTS = {"transport_error": "error", "transport_hang": "hang", "drop_indexer": "drop_indexer"}
 

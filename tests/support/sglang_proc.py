@@ -244,8 +244,8 @@ def run_decode(ranks: list[Rank], requests: list[dict[str, Any]]) -> list[dict[s
                     impostor.describe(room, suffix.astype(np.int32), s.slot, [suffix], claimed)
                 if fault == "abort":
                     rc.abort()
-                if fault == "corrupt":
-                    r.faults.kinds[str(room)] = "corrupt"
+                if fault == "corrupt" or str(fault).startswith("stall_verify"):
+                    r.faults.kinds[str(room)] = fault
             between = look_between_chunks(ranks, slots, room, out) if req.get("observe_chunks") else None
             states = walk(receivers, (KVPoll.Success,), deadline, between)
             for r, s in zip(ranks, slots, strict=True):

@@ -14,7 +14,7 @@ from glm_pd_common.layout.regions import Region
 # before_claim: handshaken, the lease not yet claimed; posting: the next batch is about to be posted (the load's first,
 # or a room's); mid_transfer: the first batch is posted, the others not yet; before_release: read (and verified),
 # not yet confirmed
-FaultPoint = Literal["before_claim", "posting", "mid_transfer", "before_release"]
+FaultPoint = Literal["before_claim", "posting", "mid_transfer", "before_release", "verifying"]
 
 
 class HandoffFaults(Protocol):
