@@ -33,7 +33,10 @@ def handshake(host: str, port: int, options: dict[int, bytes], kind: int = zmq.D
         sock.setsockopt(option, value)
     monitor = sock.get_monitor_socket()
     sock.connect(f"tcp://{host}:{port}")
-    sock.send(protocol.encode(protocol.Query(v=PROTOCOL_VERSION, engine_id="stranger")))
+    try:
+        sock.send(protocol.encode(protocol.Query(v=PROTOCOL_VERSION, engine_id="stranger")), zmq.NOBLOCK)
+    except zmq.Again:
+        pass  # the handshake already failed: ZeroMQ dropped the connection's queue, and a send would wait forever
     outcome = "nothing"
     deadline = time.monotonic() + wait_s
     while outcome == "nothing" and monitor.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
