@@ -20,11 +20,13 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import requests
 import torch
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -51,6 +53,7 @@ from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
 from glm_pd_sglang import wire
 from glm_pd_sglang.admission import PrefillAdmission
+from glm_pd_sglang.bootstrap_auth import authorization
 from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.devices import rank_ib_devices
 from glm_pd_sglang.kvargs import rank_caches
@@ -64,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 TRANSFER_LANES = 8  # transfer threads per prefill rank; more decode peers than this share lanes
+REGISTER_TRIES = 5  # a prefill rank's registration: the bootstrap server may still be starting
 
 
 class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, CommonKVManager):
@@ -140,6 +144,39 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
         """SGLang's registration of this prefill rank, its address being that of the authenticated socket."""
         self._authenticate_sockets()
         super().register_to_bootstrap()
+
+    def _register_topology_row(self, url: str, payload: dict) -> None:
+        """SGLang's PUT of this prefill rank's registration, presenting the deployment's token (the bootstrap
+        server takes registrations from holders only); without a credential, SGLang's own. A refusal is not
+        retried: this rank and the server hold different credentials, and decodes could never find the rank."""
+        if not self.trust.authenticated:
+            super()._register_topology_row(url, payload)
+            return
+        problem = ""
+        for attempt in range(REGISTER_TRIES):
+            if attempt:
+                time.sleep(min(2.0**attempt, 8.0))
+            try:
+                response = requests.put(url, json=payload, headers=authorization(self.trust), timeout=5)
+            except requests.RequestException as exc:
+                problem = str(exc)
+                continue
+            if response.status_code == 200:
+                return
+            if response.status_code == 401:
+                raise ConfigError(
+                    f"the bootstrap server {url} refused prefill rank {self._prefill_unique_rank()}'s registration "
+                    f"({response.text[:200]}): give it and every rank of this instance the same "
+                    "SGLANG_GLM_PD_CREDENTIAL"
+                )
+            problem = f"HTTP {response.status_code} {response.text[:200]}"
+        logger.error(
+            "glm-pd prefill rank %s could not register with the bootstrap server %s (%d tries): %s",
+            self._prefill_unique_rank(),
+            url,
+            REGISTER_TRIES,
+            problem,
+        )
 
     def _authenticate_sockets(self) -> None:
         """With the deployment's credential, this rank's messages (registrations, rooms, statuses, aborts) travel

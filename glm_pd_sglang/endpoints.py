@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
 import numpy as np
+import requests
 import zmq
+from aiohttp import web
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
-from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVReceiver, CommonKVSender
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVReceiver,
+    CommonKVSender,
+    _get_bootstrap_session,
+)
 from sglang.srt.environ import envs
 
+from glm_pd_common.counted_log import CountedLog
 from glm_pd_common.errors import GlmPdError
+from glm_pd_common.handoff.wire.trust import Trust
+from glm_pd_sglang.bootstrap_auth import asks_shape, authorization, refusal
+from glm_pd_sglang.config import GlmPdSglangConfig
 from glm_pd_sglang.conn import GlmPdKVManager
 from glm_pd_sglang.rooms import check_suffix, int_pages
 
+logger = logging.getLogger(__name__)
+
 
 class GlmPdKVSender(CommonKVSender):
-    """SGLang's sender; glm-pd only applies failures decided before it existed and records the suffix size."""
+    """SGLang's sender; glm-pd applies failures decided before it existed, records the suffix size and presents the
+    deployment's token to the bootstrap server."""
 
     def __init__(self, mgr: GlmPdKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
@@ -40,6 +55,29 @@ class GlmPdKVSender(CommonKVSender):
         super().clear()
         self.kv_mgr._expected_pages.pop(self.bootstrap_room, None)
         self.kv_mgr._sent_pages.pop(self.bootstrap_room, None)
+
+    def _register_prefill_dp_rank(self) -> None:
+        """SGLang's note to the bootstrap server of which DP rank serves this room, presenting the deployment's
+        token (the server takes it from holders only); without a credential, SGLang's own."""
+        trust: Trust = self.kv_mgr.trust
+        if not trust.authenticated:
+            super()._register_prefill_dp_rank()
+            return
+        url = f"http://{self.bootstrap_server_url}/register_dp_rank"
+        note = {"bootstrap_room": self.bootstrap_room, "dp_rank": self.kv_mgr.attn_dp_rank}
+        try:
+            response = requests.post(url, json=note, headers=authorization(trust), timeout=5)
+        except requests.RequestException as exc:
+            logger.error("glm-pd prefill: could not tell %s room %s's DP rank: %s", url, self.bootstrap_room, exc)
+            return
+        if response.status_code != 200:
+            logger.error(
+                "glm-pd prefill: %s refused room %s's DP rank: HTTP %s %s",
+                url,
+                self.bootstrap_room,
+                response.status_code,
+                response.text[:200],
+            )
 
 
 class GlmPdKVReceiver(CommonKVReceiver):
@@ -72,6 +110,15 @@ class GlmPdKVReceiver(CommonKVReceiver):
             if not self._send_bootstrap_message(bootstrap_info=info, message=message, operation="_register_kv_args"):
                 return False
         return True
+
+    def _get_bootstrap_info_from_server(
+        self, prefill_dp_rank: int, prefill_cp_rank: int, target_tp_rank: int, target_pp_rank: int
+    ) -> dict | None:
+        """SGLang's query for one prefill rank's address, on SGLang's own session to that bootstrap server (one per
+        thread), which from now on presents the deployment's token: the server reveals ranks to holders only."""
+        mgr: GlmPdKVManager = self.kv_mgr
+        _get_bootstrap_session(self.bootstrap_addr).headers.update(authorization(mgr.trust))
+        return super()._get_bootstrap_info_from_server(prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)
 
     def send_metadata(
         self,
@@ -141,4 +188,28 @@ class GlmPdKVReceiver(CommonKVReceiver):
 
 
 class GlmPdKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's own bootstrap server (routes, readiness, health) unchanged."""
+    """SGLang's own bootstrap server (routes, readiness, health), whose routes that register or reveal prefill ranks
+    answer holders of the deployment's credential only (bootstrap_auth.py); without one, unchanged. SGLang starts
+    it before, and apart from, any manager, so it reads the credential itself."""
+
+    def __init__(self, host: str, port: int) -> None:
+        config = GlmPdSglangConfig.from_env()
+        self.trust = Trust.from_settings(config.credential, config.insecure)
+        self.refused = CountedLog(
+            logger, "glm-pd bootstrap server: refused %d request(s) without the deployment's token%s"
+        )
+        super().__init__(host, port)  # starts serving
+
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        refused = refusal(self.trust, request)
+        if refused is not None:
+            self.refused.note(f" (last: {request.method} {request.path} from {request.remote})")
+        return refused
+
+    async def _handle_route(self, request: web.Request) -> web.Response:
+        refused = None if asks_shape(request) else self._refusal(request)
+        return refused if refused is not None else await super()._handle_route(request)
+
+    async def _handle_register_dp_rank(self, request: web.Request) -> web.Response:
+        refused = self._refusal(request)
+        return refused if refused is not None else await super()._handle_register_dp_rank(request)

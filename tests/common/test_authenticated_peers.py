@@ -76,6 +76,20 @@ def test_loopback_needs_no_credential(host: str) -> None:
     Trust().check_host(host, "side channel host")
 
 
+def test_the_bearer_token_is_the_deployments_alone(deployment: Trust, tmp_path: Path) -> None:
+    """What an HTTP service of the deployment asks (SGLang's bootstrap server: tests/sglang/test_bootstrap_auth.py)."""
+    token = deployment.bearer_token()
+    assert token is not None and len(token) == 128  # BLAKE2b-512, hex
+    assert token == Trust(deployment.credential).bearer_token()  # every holder makes the same
+    assert deployment.credential is not None and deployment.credential.secret.decode() not in token
+    other = other_deployment(tmp_path).bearer_token()
+    assert other is not None and other != token
+    assert deployment.admits_bearer(token)
+    for presented in (other, token[:-1], token + "0", "", token.upper(), "\udcff" + token[1:]):
+        assert not deployment.admits_bearer(presented), presented
+    assert Trust().bearer_token() is None and Trust().admits_bearer("")  # no credential: nothing is asked
+
+
 def test_a_decode_holding_the_credential_loads_as_before(small_spec, deployment: Trust) -> None:
     prefill, decode = Prefill(small_spec, trust=deployment), Decode(small_spec, trust=deployment)
     try:

@@ -310,6 +310,8 @@ def main() -> None:
         "device_ids": [sorted({reg.device_id for reg in r.mgr.caches.regions}) for r in ranks],
         # a stranger without keys knocking on each rank's socket (SGLang's PULL): how its handshake ended
         "stranger": [handshake(r.mgr.local_ip, r.mgr.rank_port, {}, zmq.PUSH, 2.0) for r in ranks],
+        # requests prefill's bootstrap server refused for want of the deployment's token
+        "bootstrap_refused": server.refused.total if ROLE == "prefill" else None,
     }
     Path(cfg["out"]).write_text(json.dumps(report))
     if ROLE == "prefill" and cfg.get("linger_s"):

@@ -4,8 +4,9 @@ A deployment (every prefill and decode that hand off to each other) shares one C
 channel server proves it holds the secret key (CurveZMQ: a client only completes the handshake with the server
 whose public key it expects) and admits, through ZeroMQ's ZAP, only clients presenting the same public key,
 which they can only do holding its secret. Nothing, not even a refusal, is exchanged before that: an unknown
-peer's connection is closed by ZeroMQ during the handshake. Without a credential the side channel is open to
-whoever can reach it, so that is allowed on loopback, or where the operator said ``insecure``.
+peer's connection is closed by ZeroMQ during the handshake. An HTTP service of the deployment (SGLang's
+bootstrap server) asks instead for a bearer token derived from the secret key. Without a credential the side
+channel is open to whoever can reach it, so that is allowed on loopback, or where the operator said ``insecure``.
 
 What a connection may hold: one that has not completed its handshake within HANDSHAKE_S is closed, one whose peer
 stops answering ZMTP pings is closed, and a server admits a handshake only while it holds at most its cap of
@@ -19,6 +20,8 @@ write the KV cache anyway.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -42,6 +45,7 @@ ZAP_DOMAIN = "glm-pd"
 HANDSHAKE_S = 5.0  # a connection that has not completed its handshake by then is closed (ZeroMQ's default: 30 s)
 HEARTBEAT_S = 5.0  # ZMTP pings on an idle connection; one silent for 3 intervals is closed
 MAX_CONNECTIONS = 4096  # a server's live connections, handshaking or not (4 per decode rank prefill serves by default)
+BEARER_LABEL = b"glm-pd bootstrap v1"  # what the bearer token is derived for; a new label makes a new token
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,19 @@ class Trust:
     @property
     def authenticated(self) -> bool:
         return self.credential is not None
+
+    def bearer_token(self) -> str | None:
+        """The token this deployment's HTTP services ask of their clients (None without a credential): BLAKE2b
+        keyed with the secret key over a fixed label, so only holders can make it and it does not reveal the key."""
+        if self.credential is None:
+            return None
+        return hashlib.blake2b(BEARER_LABEL, key=self.credential.secret).hexdigest()
+
+    def admits_bearer(self, presented: str) -> bool:
+        """Whether ``presented`` is this deployment's bearer token, compared in constant time (anything is,
+        without a credential)."""
+        token = self.bearer_token()
+        return token is None or hmac.compare_digest(presented.encode("utf-8", "replace"), token.encode())
 
     def check_host(self, host: str, role: str) -> None:
         """Refuse to bind (or dial) ``host`` unauthenticated unless it is loopback or the operator said so."""
