@@ -431,7 +431,7 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
             with self.failure_lock:
                 self.failure_records.setdefault(room, "Aborted by decode")
             self.update_status(room, KVPoll.Failed)
-        ack = notice.deferred_ack_target
+        ack = notice.deferred_ack_target()
         if ack is not None:
             self.register_deferred_ack_target(room, ack)
             self._maybe_ack_drained_abort(room)

@@ -86,6 +86,9 @@ def test_bad_requests_fail_cleanly_and_the_next_one_works(pair) -> None:
     assert "Aborted" in reasons[35][0] and "Aborted" in reasons[35][1]
     assert_exact({"results": prefill["results"][-1:]}, {"results": decode["results"][-1:]})
     assert_clean(prefill, decode)
+    # decode's abort notices were handled whole (before: taking SGLang's deferred-ACK method for its target raised)
+    (log,) = pair.tmp.glob("prefill-*.log")
+    assert "failed to handle a message" not in log.read_text()
 
 
 @pytest.mark.parametrize(
