@@ -71,8 +71,8 @@ class Serving:
                 service.results = self._recording(service.results)
 
     def _recording(self, results):
-        def wrapped():
-            out = results()
+        def wrapped(wait_s: float = 0.0):
+            out = results(wait_s)
             for r in out:
                 self.reasons[r.request_id] = r.reason
             return out
