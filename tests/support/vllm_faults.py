@@ -240,7 +240,10 @@ class FaultPair:
             return Server(name, self.model, self.log_dir, "--kv-transfer-config", config,
                           "--max-num-batched-tokens", str(CHUNK_TOKENS),
                           env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]})  # fmt: skip
-        config = glm_pd_config("kv_consumer", **timing)
+        # The cases see a streamed load through vLLM's scheduler gauges, which it publishes once per step: a decode
+        # step waiting for the load (``idle_wait_s``) would hide a park of a few hundred ms from them. Idle waits
+        # on real engines: tests/e2e/test_vllm_engine.py (the default), benchmarks/stream_bench.py.
+        config = glm_pd_config("kv_consumer", **timing, idle_wait_s=0.0)
         return Server(name, self.model, self.log_dir, "--kv-transfer-config", config, "--enable-prompt-tokens-details",
                       env={"VLLM_CPU_OMP_THREADS_BIND": CORE["decode"]},
                       kv_cache_bytes=KV_CACHE_TOKENS * TOKEN_BYTES)  # fmt: skip
