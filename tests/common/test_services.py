@@ -13,7 +13,7 @@ import pytest
 
 from glm_pd_common.errors import TransferFailed
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult
-from glm_pd_common.handoff.prefill import service as prefill_service
+from glm_pd_common.handoff.prefill import digesting
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.plan import build_plan
 from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill, endpoint, wait_for
@@ -103,8 +103,8 @@ def test_a_bad_page_digest_reply_fails_the_load_and_prefill_frees_at_once(small_
     """A corrupted load makes decode ask for per-page digests; prefill's reply is tampered with. The load
     fails naming what was wrong, decode aborts, and prefill frees the pages now, not at lease expiry (60 s).
     Before: a short or long list raised ValueError inside the load: no abort was sent."""
-    real = prefill_service.page_digests
-    monkeypatch.setattr(prefill_service, "page_digests", lambda *a: tamper(real(*a)))
+    real = digesting.page_digests
+    monkeypatch.setattr(digesting, "page_digests", lambda *a: tamper(real(*a)))
     prefill = Prefill(small_spec, lease_s=60.0)
     decode = Decode(small_spec)
     try:

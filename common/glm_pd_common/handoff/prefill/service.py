@@ -37,7 +37,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +46,7 @@ from glm_pd_common.errors import GlmPdError, LeaseExpired, ProtocolError
 from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.clock import ServiceClock
+from glm_pd_common.handoff.prefill.digesting import ClaimDigests, Digested, page_answer
 from glm_pd_common.handoff.prefill.lease import Lease, LeaseState, LeaseTable
 from glm_pd_common.handoff.prefill.pairing import claim_plan, expected_releases_from
 from glm_pd_common.handoff.prefill.peers import DecodePeer, DecodePeers
@@ -57,12 +57,9 @@ from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.wire.sidechannel import SideChannelServer, SideChannelTimeout
-from glm_pd_common.layout.plan import TransferPlan
-from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan_digests
 
 logger = logging.getLogger(__name__)
 
-DIGEST_THREADS = 2  # claims digested at once (each reads its plan's source runs)
 _QUEUED_PER_TURN = 256  # messages answered before expiry each turn; more wait a turn (grants are not starved)
 
 
@@ -73,16 +70,6 @@ class Finished:
     request_id: str
     outcome: str  # released | aborted | expired
     detail: str = ""
-
-
-@dataclass(frozen=True)
-class _Digested:
-    """A claim's digests, computed off the service thread, on their way back to it (or why there are none)."""
-
-    ident: bytes
-    request_id: str
-    digests: list[int] | None
-    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -125,13 +112,11 @@ class PrefillService:
         self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
         self._decodes = DecodePeers(caps.peers, peer_idle_s)
         # engine calls in order, and claims' digests back from their threads
-        self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance | _Digested] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance | Digested] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()  # what the engine may free
         self._stop = threading.Event()
         # a claim's digests (seconds for a GPU region's copies) are computed here, never on the service thread
-        self._digests = ThreadPoolExecutor(
-            DIGEST_THREADS, thread_name_prefix=f"glm-pd-digest-{local.engine_id}", initializer=local.on_thread
-        )
+        self._digests = ClaimDigests(local.memory, local.engine_id, local.on_thread, self._deliver)
         self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{local.engine_id}", daemon=True)
         self._thread.start()
         self._withdraw_exit = close_at_exit(self.close)
@@ -192,7 +177,7 @@ class PrefillService:
         self._stop.set()
         self.server.wake()
         self._thread.join(timeout=10)
-        self._digests.shutdown(wait=True, cancel_futures=True)
+        self._digests.close()
         self.server.close()
 
     # -- the service thread -----------------------------------------------------------------------
@@ -208,7 +193,7 @@ class PrefillService:
         for call in drain(self._inbox):
             if isinstance(call, _Grant):
                 self._on_grant(call)
-            elif isinstance(call, _Digested):
+            elif isinstance(call, Digested):
                 self._on_digested(call)
             else:
                 self._send_all(self._streams.take(call))
@@ -265,11 +250,7 @@ class PrefillService:
         elif isinstance(msg, protocol.Abort):
             self._on_abort(ident, msg)
         elif isinstance(msg, protocol.DigestQuery):
-            plan = self._leases.plan(msg.request_id, ident)
-            known = len(plan.entries) if plan is not None else 0
-            wanted = [i for i in msg.region_indices if 0 <= i < known][:MAX_PAGE_QUERIES]
-            pages = {i: page_digests(plan, i, "src", self.local.memory) for i in wanted} if plan is not None else {}
-            self.server.send(ident, protocol.PageDigests(v=PROTOCOL_VERSION, request_id=msg.request_id, pages=pages))
+            self.server.send(ident, page_answer(self._leases.plan(msg.request_id, ident), msg, self.local.memory))
 
     def _on_subscribe(self, ident: bytes, msg: protocol.Subscribe) -> None:
         if not self.streamed:
@@ -405,19 +386,14 @@ class PrefillService:
             self.server.send(ident, protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id))
             return
         self._leases.keep_plan(msg.request_id, ident, plan)
-        self._digests.submit(self._digest, ident, msg.request_id, plan)  # answered when they are back
+        self._digests.submit(ident, msg.request_id, plan)  # answered when they are back (``_on_digested``)
 
-    def _digest(self, ident: bytes, request_id: str, plan: TransferPlan) -> None:
-        """On a digest thread: a claim's source digests (a GPU region's take a device-to-host copy of every run),
-        handed back to the service thread, which answers the claim."""
-        try:
-            done = _Digested(ident, request_id, plan_digests(plan, "src", self.local.memory))
-        except Exception as exc:  # memory this rank cannot read (or a bug): decode's verification cannot be served
-            done = _Digested(ident, request_id, None, str(exc) if isinstance(exc, GlmPdError) else repr(exc))
+    def _deliver(self, done: Digested) -> None:
+        """On a digest thread: the claim is answered on the service thread."""
         self._inbox.put(done)
         self.server.wake()
 
-    def _on_digested(self, done: _Digested) -> None:
+    def _on_digested(self, done: Digested) -> None:
         """Answer the claim whose digests came back, if its lease is still claimed by that decode rank (one that
         ended meanwhile is failed as it ended: the claimant waits for an answer)."""
         lease = self._leases.get(done.request_id)

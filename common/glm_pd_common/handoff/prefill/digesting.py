@@ -1,0 +1,62 @@
+"""Prefill's digests of what a claim reads: computed on threads of their own, never the service thread (on a GPU
+every run is copied to the host first: seconds for a long request), and handed back to it to answer the claim;
+and the per-page digests decode asks for after a mismatch, to name the first bad page."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from glm_pd_common.errors import GlmPdError
+from glm_pd_common.handoff.wire import protocol
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from glm_pd_common.layout.plan import TransferPlan
+from glm_pd_common.transport.devices import ThreadSetup
+from glm_pd_common.transport.digests import MAX_PAGE_QUERIES, page_digests, plan_digests
+from glm_pd_common.transport.memory import MemoryReader
+
+DIGEST_THREADS = 2  # claims digested at once (each reads its plan's source runs)
+
+
+@dataclass(frozen=True)
+class Digested:
+    """A claim's digests on their way back to the service thread (or why there are none)."""
+
+    ident: bytes
+    request_id: str
+    digests: list[int] | None
+    error: str = ""
+
+
+class ClaimDigests:
+    """Digest threads of one prefill rank; each result goes to ``deliver`` (the service's inbox)."""
+
+    def __init__(
+        self, memory: MemoryReader, name: str, on_thread: ThreadSetup, deliver: Callable[[Digested], None]
+    ) -> None:
+        self._memory, self._deliver = memory, deliver
+        self._pool = ThreadPoolExecutor(
+            DIGEST_THREADS, thread_name_prefix=f"glm-pd-digest-{name}", initializer=on_thread
+        )
+
+    def submit(self, ident: bytes, request_id: str, plan: TransferPlan) -> None:
+        self._pool.submit(self._digest, ident, request_id, plan)
+
+    def _digest(self, ident: bytes, request_id: str, plan: TransferPlan) -> None:
+        try:
+            done = Digested(ident, request_id, plan_digests(plan, "src", self._memory))
+        except Exception as exc:  # memory this rank cannot read (or a bug): decode's verification cannot be served
+            done = Digested(ident, request_id, None, str(exc) if isinstance(exc, GlmPdError) else repr(exc))
+        self._deliver(done)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def page_answer(plan: TransferPlan | None, msg: protocol.DigestQuery, memory: MemoryReader) -> protocol.PageDigests:
+    """Per-page digests of the regions decode named (at most ``MAX_PAGE_QUERIES``, of the plan it claimed)."""
+    known = len(plan.entries) if plan is not None else 0
+    wanted = [i for i in msg.region_indices if 0 <= i < known][:MAX_PAGE_QUERIES]
+    pages = {i: page_digests(plan, i, "src", memory) for i in wanted} if plan is not None else {}
+    return protocol.PageDigests(v=PROTOCOL_VERSION, request_id=msg.request_id, pages=pages)
