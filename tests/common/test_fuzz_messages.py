@@ -44,10 +44,23 @@ def samples(spec: CacheSpec) -> list[proto.Message]:
     v = PROTOCOL_VERSION
     return [
         make_hello("p0", spec, PeerShape(64, 2, 1), caches.regions, "nixl", "agent-p0", b"\x00meta"),
+        proto.Hello(
+            **{
+                **msgspec.structs.asdict(
+                    make_hello("p0", spec, PeerShape(64, 1, 0), caches.regions, "nixl", "agent-p0", b""),
+                ),
+                "staging": proto.StagingSummary(4096, 1 << 20, 1 << 18, "VRAM", 1),
+            }
+        ),
         proto.Query(v=v, engine_id="doctor"),
         proto.TransferRequest(
             v=v, request_id="r", num_tokens=130, prefix_tokens=64, src_pages=[1, 2], dst_pages=[3, 0]
         ),
+        proto.TransferRequest(
+            v=v, request_id="r", num_tokens=130, prefix_tokens=0, src_pages=[1], dst_pages=[3], slot_bytes=1 << 20
+        ),
+        proto.Gather(v=v, request_id="r", slot=3),
+        proto.Gathered(v=v, request_id="r", slot=3, offset=1 << 21),
         proto.Claimed(v=v, request_id="r", digests=[1, UINT64_MAX]),
         proto.Released(v=v, request_id="r"),
         proto.Done(v=v, request_id="r"),

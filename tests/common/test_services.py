@@ -24,6 +24,7 @@ IDLE = {
     "early_claims": 0,
     "plans": 0,
     "streams": 0,
+    "staging_pairs": 0,
     "decode_peers": 1,
     "transport_peers": 1,
 }

@@ -14,7 +14,7 @@ from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import Sharding, token_shard
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import SideLayout
-from glm_pd_common.tools.hostmem import HostCaches
+from glm_pd_common.tools.hostmem import HostCaches, HostStaging
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.factory import create_transport
 from tests.support.ports import free_port_range
@@ -26,7 +26,7 @@ SEED, TIMEOUT_S = 9, 10.0
 class Rank:
     """One rank of a side: its caches hold its shard (tokens and layers) of the request at its local slots."""
 
-    def __init__(self, spec: CacheSpec, engine: str, shape: PeerShape, num_pages: int) -> None:
+    def __init__(self, spec: CacheSpec, engine: str, shape: PeerShape, num_pages: int, slot_bytes: int = 0) -> None:
         layout = SideLayout.of(shape.tp_size, shape.sharding, spec.geometry)
         self.caches = HostCaches(
             spec,
@@ -38,7 +38,11 @@ class Rank:
         agent = f"{engine}-{shape.tp_rank}"
         transport = create_transport(agent, TransportConfig(allow_tcp=True, timeout_s=TIMEOUT_S))
         transport.register(self.caches.regions)
-        self.local = Endpoint(engine, spec, self.caches.regions, transport, shape)
+        self.staging = None
+        if slot_bytes:  # staged where both ranks stage: always, on DRAM
+            self.staging = HostStaging(transport, self.caches.regions, slot_bytes=slot_bytes, pairs=2, mode="always")
+        staging = None if self.staging is None else self.staging.staging
+        self.local = Endpoint(engine, spec, self.caches.regions, transport, shape, staging=staging)
 
 
 def run_request(
@@ -47,6 +51,7 @@ def run_request(
     decode: tuple[int, int, Sharding],
     num_tokens: int,
     prefix_tokens: int,
+    slot_bytes: int = 0,
 ) -> tuple[list[LoadResult], list[Finished], list[HostCaches], np.ndarray]:
     """Prefill ranks hold the request in shared page tables; every decode rank loads it. Returns decode's
     results, every prefill rank's lease outcome, decode's caches and decode's page table."""
@@ -61,7 +66,7 @@ def run_request(
     loaders: list[DecodeService] = []
     try:
         for r in range(p_tp):
-            rank = Rank(spec, "prefill", PeerShape(p_pt, p_tp, r, sharding=p_sh), p_pages + 2)
+            rank = Rank(spec, "prefill", PeerShape(p_pt, p_tp, r, sharding=p_sh), p_pages + 2, slot_bytes)
             rank.caches.write_tokens(p_table, 0, num_tokens, seed=SEED)
             prefills.append(rank)
             service = PrefillService(rank.local, host="127.0.0.1", port=base + r, lease_s=30.0, timeout_s=TIMEOUT_S)
@@ -69,7 +74,7 @@ def run_request(
             service.grant("req", p_table)
         remote = RemotePrefill("prefill", "127.0.0.1", base, p_tp, p_sh)
         for r in range(d_tp):
-            rank = Rank(spec, "decode", PeerShape(d_pt, d_tp, r, sharding=d_sh), d_pages + 5)
+            rank = Rank(spec, "decode", PeerShape(d_pt, d_tp, r, sharding=d_sh), d_pages + 5, slot_bytes)
             rank.caches.write_tokens(d_table, 0, prefix_tokens, seed=SEED)  # its prefix hit
             decodes.append(rank)
             loader = DecodeService(rank.local, timeout_s=TIMEOUT_S, verify_digests=True)
@@ -99,12 +104,17 @@ def run_request(
     ],
     ids=["dcp2-to-dcp2", "dcp2-to-replicated", "layer-split-to-dcp2", "replicated-to-dcp4"],
 )
-def test_every_decode_rank_loads_its_share_and_every_prefill_lease_is_released(small_spec, prefill, decode, prefix):
+@pytest.mark.parametrize("slot_bytes", [0, 16384], ids=["direct", "staged"])
+def test_every_decode_rank_loads_its_share_and_every_prefill_lease_is_released(
+    small_spec, prefill, decode, prefix, slot_bytes
+):
+    """Staged (16 KiB slots, many per request, cutting runs mid-page), every byte lands as posted directly."""
     num_tokens = 700
-    results, ended, caches, d_table = run_request(small_spec, prefill, decode, num_tokens, prefix)
+    results, ended, caches, d_table = run_request(small_spec, prefill, decode, num_tokens, prefix, slot_bytes)
     for rank, (result, held) in enumerate(zip(results, caches, strict=True)):
         assert result.ok, f"decode rank {rank}: {result.reason}"
         assert held.mismatched_tokens(d_table, 0, num_tokens, seed=SEED) == [], f"decode rank {rank}"
+        assert result.staged_bytes == (sum(result.bytes_by_kind.values()) if slot_bytes else 0)
     assert sorted(f.outcome for f in ended) == ["released"] * prefill[0]
     g = small_spec.geometry
     per_token = len(g.all_layers) * small_spec.row.row_bytes + len(g.indexer_layers) * small_spec.indexer.row_bytes

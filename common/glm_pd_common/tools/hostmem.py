@@ -16,6 +16,8 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.regions import MemKind, Region, build_regions
 from glm_pd_common.layout.shards import WHOLE, TokenShard
 from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.transport.base import Span, Transport
+from glm_pd_common.transport.staging import HostMover, StageMode, Staging
 
 _BLOCK_TOKENS = 16384  # bounds the temporaries of one block to ~100 MB
 
@@ -202,6 +204,19 @@ class HostCaches:
                 got = self.read_tokens(region, page_table, tokens)
                 same += int(np.count_nonzero(got == token_rows(self.spec, region.kind, region.layer_id, tokens, seed)))
         return same
+
+
+class HostStaging:
+    """A staging buffer in host memory, registered with ``transport`` beside ``regions`` (``transport.staging``)."""
+
+    def __init__(
+        self, transport: Transport, regions: list[Region], *, slot_bytes: int, pairs: int, mode: StageMode = "auto"
+    ) -> None:
+        self.buffer = np.zeros(2 * slot_bytes * pairs, dtype=np.uint8)
+        span = Span("staging", self.buffer.ctypes.data, self.buffer.size)
+        transport.register([span])
+        mover = HostMover([*(Span(r.name, r.base_addr, r.size_bytes) for r in regions), span])
+        self.staging = Staging(span, slot_bytes, mover, mode)
 
 
 def memcpy_gbps(num_bytes: int, repeats: int = 3) -> float:

@@ -84,7 +84,7 @@ class StagedMemory(HostMemory):
             yield self._copy(region, packed.offsets[packed.slot(k)], packed.lengths[packed.slot(k)])
 
 
-class _DeviceBytes:
+class DeviceBytes:
     """A raw device range as the CUDA array interface describes it, so torch wraps it without a copy."""
 
     def __init__(self, addr: int, length: int) -> None:
@@ -109,7 +109,7 @@ def cuda_copier(torch: Any) -> Copier:
                 host = mine.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
             at = 0
             for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
-                src = torch.as_tensor(_DeviceBytes(region.base_addr + off, n), device=device)
+                src = torch.as_tensor(DeviceBytes(region.base_addr + off, n), device=device)
                 host[at : at + n].copy_(src, non_blocking=True)
                 at += n
             torch.cuda.current_stream(device).synchronize()

@@ -84,7 +84,8 @@ class LoadResult:
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     runs: int = 0
     runs_by_kind: dict[str, int] = field(default_factory=dict)
-    batches: int = 0
+    batches: int = 0  # posted batches; a staged read's slots count one each
+    staged_bytes: int = 0  # of the bytes moved, those that went through staging slots
     seconds: float = 0.0
     plan_ms: float = 0.0
     pages: dict[str, int] = field(default_factory=dict)

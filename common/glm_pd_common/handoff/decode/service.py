@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from glm_pd_common.handoff.decode.feeds import Feed
 from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
 from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code
 from glm_pd_common.handoff.decode.renewals import Renewals
+from glm_pd_common.handoff.decode.staged import read_staged, slot_bytes_for
 from glm_pd_common.handoff.decode.states import Handoff, HandoffState
 from glm_pd_common.handoff.faults import FaultPoint, HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
@@ -198,10 +200,11 @@ class DecodeService:
                 mark("handshake")
                 handoff.advance(HandoffState.WAITING_FOR_INPUT)
                 self._fault(job, "before_claim")
-                claims = [self._claim(peer, plan, job) for peer, plan in pieces]
+                slots = [slot_bytes_for(self.local.staging, peer, plan) for peer, plan in pieces]
+                claims = [self._claim(peer, plan, job, slot) for (peer, plan), slot in zip(pieces, slots, strict=True)]
                 mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
-                self._pull(pieces, result, job)
+                self._pull(pieces, slots, result, job)
                 moving = [plan for _, plan in pieces if plan.num_runs]
                 if self.faults is not None and moving:
                     self.faults.landed(job.request_id, *moved_byte(moving[-1]))
@@ -384,10 +387,10 @@ class DecodeService:
         for client in clients:
             client.send(protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats))
 
-    def _claim(self, peer: PrefillLink, plan: TransferPlan, job: LoadJob) -> protocol.Claimed:
-        return self._links.ask(peer, self._claim_of(plan, job), job.lease_id, (protocol.Claimed,))
+    def _claim(self, peer: PrefillLink, plan: TransferPlan, job: LoadJob, slot_bytes: int) -> protocol.Claimed:
+        return self._links.ask(peer, self._claim_of(plan, job, slot_bytes), job.lease_id, (protocol.Claimed,))
 
-    def _claim_of(self, plan: TransferPlan, job: LoadJob) -> protocol.TransferRequest:
+    def _claim_of(self, plan: TransferPlan, job: LoadJob, slot_bytes: int = 0) -> protocol.TransferRequest:
         return protocol.TransferRequest(
             v=PROTOCOL_VERSION,
             request_id=job.lease_id,
@@ -396,16 +399,39 @@ class DecodeService:
             src_pages=plan.src_pages.tolist(),
             dst_pages=plan.dst_pages.tolist(),
             verify=self.verify_digests,
+            slot_bytes=slot_bytes,
         )
 
-    def _pull(self, pieces: list[tuple[PrefillLink, TransferPlan]], result: LoadResult, job: LoadJob) -> None:
-        """Post every source's runs, then wait. Two batches per source, the first layer's and the rest: each batch
-        costs a post and a completion to poll, and nothing on decode uses a layer before the whole load is in
-        (79 per-layer batches reached 78 % of one batch's rate, ``benchmarks/posting_bench.py``); the first
-        batch stays apart, so a fault injected ``mid_transfer`` acts between two batches."""
+    def _pull(
+        self, pieces: list[tuple[PrefillLink, TransferPlan]], slots: list[int], result: LoadResult, job: LoadJob
+    ) -> None:
+        """Post every direct source's runs, then wait; read the staged ones slot by slot (``staged``). Two batches
+        per direct source, the first layer's and the rest: each batch costs a post and a completion to poll, and
+        nothing on decode uses a layer before the whole load is in (79 per-layer batches reached 78 % of one
+        batch's rate, ``benchmarks/posting_bench.py``); the first batch stays apart, so a fault injected
+        ``mid_transfer`` acts between two batches (staged: between two slots)."""
         t0 = time.perf_counter()
+        staged = 0
         with self._posted() as posted:
-            for peer, plan in pieces:
+            for (peer, plan), slot_bytes in zip(pieces, slots, strict=True):
+                if slot_bytes:
+                    assert self.local.staging is not None  # slot_bytes_for staged only with a buffer here
+                    first = not posted and not staged
+                    staged += read_staged(
+                        self._links,
+                        peer,
+                        plan,
+                        job.lease_id,
+                        slot_bytes,
+                        self.local.staging,
+                        self.local.transport,
+                        self.timeout_s,
+                        partial(self._slot_fault, job, first),
+                    )
+                    result.staged_bytes += plan.num_bytes
+                    for kind, n in plan.bytes_by_kind().items():
+                        result.bytes_by_kind[kind] = result.bytes_by_kind.get(kind, 0) + n
+                    continue
                 layers = [entries for _, entries in plan.layers() if any(e.num_runs for e in entries)]
                 for entries in (layers[0] if layers else [], [e for rest in layers[1:] for e in rest]):
                     if not entries:
@@ -415,15 +441,23 @@ class DecodeService:
                     posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
-        self._count(result, posted, pieces)
+        self._count(result, posted, pieces, staged)
+
+    def _slot_fault(self, job: LoadJob, first: bool, k: int) -> None:
+        """A staged load's fault points: before its first slot and between its first two, as a direct one's."""
+        if first and k < 2:
+            self._fault(job, "mid_transfer" if k else "posting")
 
     def _posted(self) -> _Batches:
         return _Batches(self.local.transport)
 
     @staticmethod
-    def _count(result: LoadResult, posted: list[Transfer], pieces: list[tuple[PrefillLink, TransferPlan]]) -> None:
-        # What moved is what the transport reported finished, not what the plan says it would move.
-        moved = {"main": 0, "indexer": 0}
+    def _count(
+        result: LoadResult, posted: list[Transfer], pieces: list[tuple[PrefillLink, TransferPlan]], slots: int = 0
+    ) -> None:
+        # What moved is what the transport reported finished, not what the plan says it would move (a staged
+        # plan's bytes count once its every slot was read and scattered).
+        moved = {"main": 0, "indexer": 0, **result.bytes_by_kind}
         for xfer in posted:
             for kind, n in xfer.completed_bytes_by_kind.items():
                 moved[kind] = moved.get(kind, 0) + n
@@ -432,7 +466,7 @@ class DecodeService:
         for _, plan in pieces:
             for kind, n in plan.runs_by_kind().items():
                 runs[kind] += n
-        result.runs, result.runs_by_kind, result.batches = sum(runs.values()), runs, len(posted)
+        result.runs, result.runs_by_kind, result.batches = sum(runs.values()), runs, len(posted) + slots
 
     def _verify(self, peer: PrefillLink, plan: TransferPlan, digests: list[int], request_id: str) -> None:
         def page_digests_of(regions: list[int]) -> dict[int, list[int]]:

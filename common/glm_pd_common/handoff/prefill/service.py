@@ -51,6 +51,7 @@ from glm_pd_common.handoff.prefill.lease import Lease, LeaseState, LeaseTable
 from glm_pd_common.handoff.prefill.pairing import claim_plan, expected_releases_from
 from glm_pd_common.handoff.prefill.peers import DecodePeer, DecodePeers
 from glm_pd_common.handoff.prefill.ready import ReadyEvent
+from glm_pd_common.handoff.prefill.staged import GatherDone, StagedReads
 from glm_pd_common.handoff.prefill.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.wire import protocol
@@ -112,11 +113,12 @@ class PrefillService:
         self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
         self._decodes = DecodePeers(caps.peers, peer_idle_s)
         # engine calls in order, and claims' digests back from their threads
-        self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance | Digested] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance | Digested | GatherDone] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()  # what the engine may free
         self._stop = threading.Event()
         # a claim's digests (seconds for a GPU region's copies) are computed here, never on the service thread
         self._digests = ClaimDigests(local.memory, local.engine_id, local.on_thread, self._deliver)
+        self._staged = StagedReads(local.staging, local.engine_id, local.on_thread, self._deliver)  # staged claims
         self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{local.engine_id}", daemon=True)
         self._thread.start()
         self._withdraw_exit = close_at_exit(self.close)
@@ -164,9 +166,11 @@ class PrefillService:
         """What this service holds now. Once every request has ended: ``leases``, ``unready`` (grants whose
         pages are not ready yet), ``early_claims`` and ``plans`` are 0, ``decode_peers`` is at most the
         decode ranks still connected, ``transport_peers`` equals ``decode_peers`` (one transport agent per
-        decode peer). The ids of recently ended leases are kept apart, bounded (so a late claim fails fast)."""
+        decode peer), ``staging_pairs`` is 0. The ids of recently ended leases are kept apart, bounded (so a late
+        claim fails fast)."""
         return {
             **self._leases.leftovers(),
+            "staging_pairs": self._staged.held(),
             "streams": len(self._streams),
             "decode_peers": len(self._decodes),
             "transport_peers": len(self.local.transport.remote_peers()),
@@ -178,6 +182,7 @@ class PrefillService:
         self.server.wake()
         self._thread.join(timeout=10)
         self._digests.close()
+        self._staged.shutdown()
         self.server.close()
 
     # -- the service thread -----------------------------------------------------------------------
@@ -195,6 +200,10 @@ class PrefillService:
                 self._on_grant(call)
             elif isinstance(call, Digested):
                 self._on_digested(call)
+            elif isinstance(call, GatherDone):
+                answer = self._staged.done(call)
+                if answer is not None:
+                    self.server.send(call.ident, answer)
             else:
                 self._send_all(self._streams.take(call))
         self._poll_unready()
@@ -249,6 +258,8 @@ class PrefillService:
             self._on_done(ident, msg)
         elif isinstance(msg, protocol.Abort):
             self._on_abort(ident, msg)
+        elif isinstance(msg, protocol.Gather):
+            self._on_gather(ident, msg)
         elif isinstance(msg, protocol.DigestQuery):
             self.server.send(ident, page_answer(self._leases.plan(msg.request_id, ident), msg, self.local.memory))
 
@@ -382,14 +393,30 @@ class PrefillService:
             code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
             self._fail(ident, msg.request_id, str(exc), code)
             return
+        why = self._staged.open(ident, msg.request_id, plan, msg.slot_bytes) if msg.slot_bytes else ""
+        if why:
+            self._fail(ident, msg.request_id, why, "invalid_params")
+            return
         if not msg.verify:
             self.server.send(ident, protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id))
             return
         self._leases.keep_plan(msg.request_id, ident, plan)
         self._digests.submit(ident, msg.request_id, plan)  # answered when they are back (``_on_digested``)
 
-    def _deliver(self, done: Digested) -> None:
-        """On a digest thread: the claim is answered on the service thread."""
+    def _on_gather(self, ident: bytes, msg: protocol.Gather) -> None:
+        """Decode asks for a slot of its staged read: only the claimant of a live claimed lease is served."""
+        lease = self._leases.get(msg.request_id)
+        if lease is None or lease.state is not LeaseState.CLAIMED or ident not in lease.claimants:
+            ended = self._leases.ended.get(msg.request_id)
+            code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
+            self._fail(ident, msg.request_id, f"no claimed lease of this decode for this request ({ended})", code)
+            return
+        why = self._staged.ask(ident, msg)
+        if why:
+            self._fail(ident, msg.request_id, why, "invalid_params")
+
+    def _deliver(self, done: Digested | GatherDone) -> None:
+        """On a digest or gather thread: the answer goes out from the service thread."""
         self._inbox.put(done)
         self.server.wake()
 
@@ -430,6 +457,7 @@ class PrefillService:
             return
         # A dummy rank's first word may be a release: decode read another rank's copy of the same blocks.
         self._leases.expect(msg.request_id, expected_releases_from(self.local, self._decodes[ident].peer))
+        self._staged.close(msg.request_id, ident)  # its read is over: the slot pair goes back
         try:
             released = self._leases.release(msg.request_id)
         except LeaseExpired as exc:
@@ -470,6 +498,7 @@ class PrefillService:
         """Drop a decode peer and what was kept for it (its agent, plans, waiting claims); leases stay."""
         decode = self._decodes.pop(ident)
         self._streams.drop_subscriber(ident)
+        self._staged.drop_peer(ident)
         self._leases.forget_peer(ident)
         if decode is not None:
             self.local.transport.remove_peer(decode.agent)
@@ -500,5 +529,6 @@ class PrefillService:
     def _ended(self, lease: Lease, outcome: str, why: str = "") -> None:
         """An ended lease's pages may be freed: the engine is told, and so are its stream's subscribers."""
         self._finished.put(Finished(lease.request_id, outcome, why))
+        self._staged.close(lease.request_id)
         if lease.stream is not None:
             self._streams.lease_ended(lease.request_id)

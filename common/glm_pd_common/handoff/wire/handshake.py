@@ -24,6 +24,7 @@ from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Span, Transport
 from glm_pd_common.transport.devices import ThreadSetup, host_only
 from glm_pd_common.transport.memory import HOST, MemoryReader
+from glm_pd_common.transport.staging import Staging
 
 
 def hello_proof(session: bytes, peer: str) -> bytes:
@@ -48,6 +49,7 @@ def make_hello(
     agent_name: str,
     agent_metadata: bytes,
     proof: bytes = b"",
+    staging: Staging | None = None,
 ) -> protocol.Hello:
     return protocol.Hello(
         v=PROTOCOL_VERSION,
@@ -72,7 +74,13 @@ def make_hello(
         agent_name=agent_name,
         agent_metadata=agent_metadata,
         proof=proof,
+        staging=None if staging is None else _summary(staging),
     )
+
+
+def _summary(staging: Staging) -> protocol.StagingSummary:
+    span = staging.span
+    return protocol.StagingSummary(span.base_addr, span.size_bytes, staging.slot_bytes, span.mem_kind, span.device_id)
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,7 @@ class Endpoint:
     memory: MemoryReader = HOST  # how digests read the regions (device memory needs the adapter's reader)
     on_thread: ThreadSetup = host_only  # what each thread glm-pd starts runs first (selects the CUDA device)
     trust: Trust = OPEN  # how its side channels authenticate peers (the deployment's credential)
+    staging: Staging | None = None  # its staging buffer, registered with ``transport`` (None: direct posting only)
 
     def hello(self, agent_metadata: bytes, proof: bytes = b"") -> protocol.Hello:
         return make_hello(
@@ -98,6 +107,7 @@ class Endpoint:
             self.transport.agent_name,
             agent_metadata,
             proof,
+            self.staging,
         )
 
 
@@ -110,10 +120,16 @@ class PeerView:
     shape: PeerShape
     regions: list[Region]
     agent_metadata: bytes
+    staging: protocol.StagingSummary | None = None
 
     @property
     def spans(self) -> list[Span]:
-        return [Span(r.name, r.base_addr, r.size_bytes, r.mem_kind, r.device_id) for r in self.regions]
+        """What a transfer with this peer may touch there: its regions and its staging buffer."""
+        spans = [Span(r.name, r.base_addr, r.size_bytes, r.mem_kind, r.device_id) for r in self.regions]
+        if self.staging is not None:
+            s = self.staging
+            spans.append(Span("staging", s.base_addr, s.size_bytes, s.mem_kind, s.device_id))
+        return spans
 
 
 _ADDRESS_LIMIT = INT64_MAX
@@ -169,4 +185,12 @@ def accept_hello(
                 f"{role} {hello.engine_id}: region {regions[-1].name} ends past the 64-bit address space "
                 f"(base {s.base_addr:#x} + {s.num_pages} pages x {s.page_stride} B)"
             )
-    return PeerView(hello.engine_id, hello.agent_name, shape, plan_order(regions), hello.agent_metadata)
+    staging = hello.staging
+    if staging is not None and (
+        staging.base_addr + staging.size_bytes > _ADDRESS_LIMIT or not 0 < 2 * staging.slot_bytes <= staging.size_bytes
+    ):
+        raise ProtocolError(
+            f"{role} {hello.engine_id} announced a bad staging buffer: {staging.size_bytes} B at "
+            f"{staging.base_addr:#x} in slots of {staging.slot_bytes} B"
+        )
+    return PeerView(hello.engine_id, hello.agent_name, shape, plan_order(regions), hello.agent_metadata, staging)

@@ -21,6 +21,9 @@ Version history:
   hello it sends that rank, so prefill tells the same decode on a new connection from another peer borrowing its
   agent name. Side channels authenticate (CURVE) before any message; a lease or streamed transfer belongs to the
   decode engine that first acts on it.
+- 7: staged transfers: the hello announces the rank's staging buffer (``staging``); a claim may ask for its runs
+  in slots of ``slot_bytes``, and decode then asks for each slot (``gather``) and reads it from where prefill
+  says it gathered it (``gathered``).
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -37,7 +40,7 @@ from glm_pd_common.errors import ConfigError, ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.pages import INT64_MAX
 
-PROTOCOL_VERSION = 6  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
+PROTOCOL_VERSION = 7  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
 HEARTBEAT_S = 5.0  # an idle decode lane says it is alive at least this often (a wire contract, as the messages)
 RENEWALS_PER_LEASE = 6  # as vLLM's NIXL heartbeats: five renewals in a row may be lost before a lease runs out
@@ -84,6 +87,16 @@ class RegionSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device_id: int = 0
 
 
+class StagingSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A rank's registered staging buffer: pairs of ``slot_bytes`` slots (``transport.staging``)."""
+
+    base_addr: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+    size_bytes: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+    slot_bytes: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+    mem_kind: Name = "DRAM"
+    device_id: int = 0
+
+
 class Hello(_Base, tag="hello", frozen=True):
     engine_id: Id
     fingerprint: Fingerprint
@@ -93,6 +106,7 @@ class Hello(_Base, tag="hello", frozen=True):
     agent_name: Id
     agent_metadata: bytes
     proof: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # decode's (see the version history); prefill: empty
+    staging: StagingSummary | None = None
 
 
 class Query(_Base, tag="query", frozen=True):
@@ -110,6 +124,7 @@ class TransferRequest(_Base, tag="transfer", frozen=True):
     src_pages: list[PageId]
     dst_pages: list[PageId]
     verify: bool = False
+    slot_bytes: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] = 0  # staged: the plan's runs in slots this big
 
 
 class Claimed(_Base, tag="claimed", frozen=True):
@@ -178,6 +193,21 @@ class Progress(_Base, tag="progress", frozen=True):
     lease_id: Id = ""
 
 
+class Gather(_Base, tag="gather", frozen=True):
+    """Decode, staged: gather slot ``slot`` of the claimed plan (decode is done reading slot ``slot - 2``)."""
+
+    request_id: Id
+    slot: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+
+
+class Gathered(_Base, tag="gathered", frozen=True):
+    """Prefill: slot ``slot`` is in its staging buffer at ``offset``, complete."""
+
+    request_id: Id
+    slot: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+    offset: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+
+
 class DigestQuery(_Base, tag="digest_query", frozen=True):
     request_id: Id
     region_indices: list[int]
@@ -201,6 +231,8 @@ Message = Union[
     Renew,
     Subscribe,
     Progress,
+    Gather,
+    Gathered,
     DigestQuery,
     PageDigests,
 ]
