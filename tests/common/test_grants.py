@@ -8,9 +8,6 @@ with an endpoint of its own (another engine id), driven by hand.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 
@@ -18,39 +15,9 @@ from glm_pd_common.handoff.decode.service import LoadJob
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
-from tests.support.services import PAGE_TOKENS, Decode, Prefill, endpoint, wait_for
+from tests.support.services import PAGE_TOKENS, Decode, Prefill, claim, endpoint, handshaken, rivals, wait_for
 
 V = PROTOCOL_VERSION
-
-
-def handshaken(spec, port: int, engine: str, proof: bytes = b"") -> SideChannelClient:
-    """A decode engine ``engine`` (its own agent, named ``engine``) that passed prefill's handshake."""
-    _, local = endpoint(spec, engine, 10.0)
-    client = SideChannelClient("127.0.0.1", port)
-    client.send(local.hello(local.transport.metadata(), proof))
-    assert isinstance(client.recv(10.0), protocol.Hello)
-    return client
-
-
-def claim(client: SideChannelClient, request_id: str, pages: np.ndarray) -> protocol.Message:
-    src = [int(p) for p in pages]
-    client.send(protocol.TransferRequest(v=V, request_id=request_id, num_tokens=len(src) * PAGE_TOKENS,
-                                         prefix_tokens=0, src_pages=src, dst_pages=list(range(len(src)))))  # fmt: skip
-    return client.recv(10.0)
-
-
-@contextmanager
-def rivals(spec, **prefill_args: Any) -> Iterator[tuple[Prefill, SideChannelClient, SideChannelClient]]:
-    """A prefill rank and two decode engines handshaken with it: the one that acts first, and another."""
-    prefill = Prefill(spec, **prefill_args)
-    owner = handshaken(spec, prefill.service.port, "owner")
-    other = handshaken(spec, prefill.service.port, "other")
-    try:
-        yield prefill, owner, other
-    finally:
-        owner.close()
-        other.close()
-        prefill.close()
 
 
 def served(client: SideChannelClient) -> None:

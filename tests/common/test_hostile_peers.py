@@ -21,7 +21,7 @@ from glm_pd_common.handoff.prefill.caps import PeerCaps
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
-from tests.support.services import PAGE_TOKENS, Decode, Prefill, endpoint, wait_for
+from tests.support.services import PAGE_TOKENS, Decode, Prefill, endpoint, handshaken, wait_for
 
 V = PROTOCOL_VERSION
 
@@ -100,15 +100,6 @@ def test_a_flood_of_nested_frames_leaves_expiry_and_loads_running(small_spec, ca
     assert len(refusals) < flood.sent / 10, f"{len(refusals)} log lines for {flood.sent} frames"
 
 
-def _handshaken(spec, port: int, name: str) -> SideChannelClient:
-    """A decode endpoint that passed prefill's handshake, driven by hand."""
-    _, local = endpoint(spec, name, 10.0)
-    client = SideChannelClient("127.0.0.1", port)
-    client.send(local.hello(local.transport.metadata()))
-    assert isinstance(client.recv(10.0), protocol.Hello)
-    return client
-
-
 def _claim(client: SideChannelClient, request_id: str, pages: int) -> None:
     ids = list(range(pages))
     client.send(protocol.TransferRequest(v=V, request_id=request_id, num_tokens=pages * PAGE_TOKENS,
@@ -124,7 +115,7 @@ def _refusal(client: SideChannelClient) -> str:
 def test_claims_for_ids_never_granted_are_kept_within_their_caps(small_spec) -> None:
     caps = PeerCaps(early_claims=2, early_pages=1000)
     prefill = Prefill(small_spec, caps=caps)
-    stranger = _handshaken(small_spec, prefill.service.port, "stranger")
+    stranger = handshaken(small_spec, prefill.service.port, "stranger")
     try:
         _claim(stranger, "a", 10)
         _claim(stranger, "b", 10)
@@ -132,7 +123,7 @@ def test_claims_for_ids_never_granted_are_kept_within_their_caps(small_spec) -> 
         assert held["early_claims"] == 2, held
         _claim(stranger, "c", 10)
         assert "at most 2 claims per decode" in _refusal(stranger)
-        other = _handshaken(small_spec, prefill.service.port, "other")
+        other = handshaken(small_spec, prefill.service.port, "other")
         _claim(other, "d", 600)  # 40 + 1,200 page ids: past the 1,000 all waiting claims may hold
         assert "1000 page ids in all" in _refusal(other)
         assert prefill.service.leftovers()["early_claims"] == 2
@@ -144,7 +135,7 @@ def test_claims_for_ids_never_granted_are_kept_within_their_caps(small_spec) -> 
 
 def test_decode_peers_and_subscriptions_stay_within_their_caps(small_spec) -> None:
     prefill = Prefill(small_spec, streamed=True, caps=PeerCaps(peers=1, subscriptions=1))
-    first = _handshaken(small_spec, prefill.service.port, "first")
+    first = handshaken(small_spec, prefill.service.port, "first")
     try:
         _, local = endpoint(small_spec, "second", 10.0)
         second = SideChannelClient("127.0.0.1", prefill.service.port)
@@ -164,7 +155,7 @@ def test_decode_peers_and_subscriptions_stay_within_their_caps(small_spec) -> No
 def test_a_huge_request_id_is_neither_answered_nor_logged_whole(small_spec, caplog) -> None:
     caplog.set_level(logging.DEBUG)
     prefill = Prefill(small_spec)
-    client = _handshaken(small_spec, prefill.service.port, "long-ids")
+    client = handshaken(small_spec, prefill.service.port, "long-ids")
     try:
         _claim(client, "x" * (4 << 20), 1)
         client.send(protocol.Done(v=V, request_id="after"))  # answered or kept: the service went on
@@ -196,8 +187,8 @@ def test_a_claim_for_the_wrong_pages_changes_nothing(small_spec) -> None:
     real decode's renewals still count (a claimed lease ignores them and lives only the transfer's bound, 1 s
     here) and its claim after three such bounds is served."""
     prefill = Prefill(small_spec, lease_s=3.0, timeout_s=1.0)
-    stranger = _handshaken(small_spec, prefill.service.port, "stranger")
-    owner = _handshaken(small_spec, prefill.service.port, "owner")
+    stranger = handshaken(small_spec, prefill.service.port, "stranger")
+    owner = handshaken(small_spec, prefill.service.port, "owner")
     try:
         table = prefill.table[:2]
         prefill.service.grant("live", table)

@@ -14,7 +14,7 @@ from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import Sharding, token_shard
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.layout.tp import SideLayout
-from glm_pd_common.tools.hostmem import HostCaches, HostStaging
+from glm_pd_common.tools.hostmem import HostCaches, host_staging
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.factory import create_transport
 from tests.support.ports import free_port_range
@@ -38,10 +38,9 @@ class Rank:
         agent = f"{engine}-{shape.tp_rank}"
         transport = create_transport(agent, TransportConfig(allow_tcp=True, timeout_s=TIMEOUT_S))
         transport.register(self.caches.regions)
-        self.staging = None
+        staging = None
         if slot_bytes:  # staged where both ranks stage: always, on DRAM
-            self.staging = HostStaging(transport, self.caches.regions, slot_bytes=slot_bytes, pairs=2, mode="always")
-        staging = None if self.staging is None else self.staging.staging
+            staging = host_staging(transport, self.caches.regions, slot_bytes=slot_bytes, pairs=2, mode="always")
         self.local = Endpoint(engine, spec, self.caches.regions, transport, shape, staging=staging)
 
 

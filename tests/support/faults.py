@@ -120,6 +120,14 @@ class FaultyTransport:
             self._faults[id(xfer)] = fault
         return xfer
 
+    def post(self, peer: str, op: Any, *args: Any, **kwargs: Any) -> Transfer:
+        """A batch posted as runs (a staged slot): an armed error or hang applies as to a plan's batch."""
+        fault = self.injector.take_armed()
+        xfer = self.inner.post(peer, op, *args, **kwargs)
+        if fault in ("error", "hang"):
+            self._faults[id(xfer)] = fault
+        return xfer
+
     def poll(self, xfer: Transfer) -> bool:
         fault = self._faults.get(id(xfer))
         if fault == "error":

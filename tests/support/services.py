@@ -7,20 +7,24 @@ sides readable at any moment. TCP/shared memory is allowed: the test machines ha
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.service import Finished, PrefillService
+from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint
+from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
+from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
 from glm_pd_common.handoff.wire.trust import OPEN, Trust
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.spec import CacheSpec
-from glm_pd_common.tools.hostmem import HostCaches
+from glm_pd_common.tools.hostmem import HostCaches, host_staging
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.devices import ThreadSetup, host_only
 from glm_pd_common.transport.factory import create_transport
@@ -31,11 +35,18 @@ PAGE_TOKENS, NUM_PAGES, SEED = 64, 16, 5
 T = TypeVar("T")
 
 
-def endpoint(spec: CacheSpec, name: str, timeout_s: float) -> tuple[HostCaches, Endpoint]:
+def endpoint(
+    spec: CacheSpec, name: str, timeout_s: float, *, slot_bytes: int = 0, pairs: int = 2
+) -> tuple[HostCaches, Endpoint]:
+    """A rank's host caches on a real NIXL agent; with ``slot_bytes``, a staging buffer of ``pairs`` slot pairs
+    that every transfer goes through (mode ``always``: on DRAM ``auto`` would post directly)."""
     caches = HostCaches(spec, page_tokens=PAGE_TOKENS, num_pages=NUM_PAGES)
     transport = create_transport(name, TransportConfig(allow_tcp=True, timeout_s=timeout_s))
     transport.register(caches.regions)
-    return caches, Endpoint(name, spec, caches.regions, transport, PeerShape(PAGE_TOKENS, 1, 0))
+    staging = None
+    if slot_bytes:
+        staging = host_staging(transport, caches.regions, slot_bytes=slot_bytes, pairs=pairs, mode="always")
+    return caches, Endpoint(name, spec, caches.regions, transport, PeerShape(PAGE_TOKENS, 1, 0), staging=staging)
 
 
 def wait_for(get: Callable[[], T], done: Callable[[T], bool], timeout_s: float) -> T:
@@ -63,8 +74,10 @@ class Prefill:
         caps: PeerCaps = DEFAULT_CAPS,
         trust: Trust = OPEN,
         memory: MemoryReader = HOST,
+        slot_bytes: int = 0,
+        pairs: int = 2,
     ) -> None:
-        self.caches, local = endpoint(spec, "prefill-0", timeout_s)
+        self.caches, local = endpoint(spec, "prefill-0", timeout_s, slot_bytes=slot_bytes, pairs=pairs)
         self.local = replace(local, on_thread=on_thread, trust=trust, memory=memory)
         self.table = np.arange(NUM_PAGES, dtype=np.int64)[::-1].copy()
         self.caches.write_tokens(self.table, 0, NUM_PAGES * PAGE_TOKENS, seed=SEED)
@@ -109,8 +122,9 @@ class Decode:
         memory: MemoryReader = HOST,
         trust: Trust = OPEN,
         verify: bool = True,
+        slot_bytes: int = 0,
     ) -> None:
-        self.caches, local = endpoint(spec, name, timeout_s)
+        self.caches, local = endpoint(spec, name, timeout_s, slot_bytes=slot_bytes)
         self.faults = Injector()
         transport = FaultyTransport(local.transport, self.faults)
         self.local = replace(local, transport=transport, on_thread=on_thread, memory=memory, trust=trust)
@@ -133,3 +147,36 @@ class Decode:
     def close(self) -> None:
         self.service.close()
         self.local.transport.close()
+
+
+def handshaken(spec: CacheSpec, port: int, engine: str, proof: bytes = b"") -> SideChannelClient:
+    """A decode engine ``engine`` (its own agent, named ``engine``) that passed prefill's handshake, driven by
+    hand."""
+    _, local = endpoint(spec, engine, 10.0)
+    client = SideChannelClient("127.0.0.1", port)
+    client.send(local.hello(local.transport.metadata(), proof))
+    assert isinstance(client.recv(10.0), protocol.Hello)
+    return client
+
+
+def claim(client: SideChannelClient, request_id: str, pages: np.ndarray, slot_bytes: int = 0) -> protocol.Message:
+    """Claim whole ``pages`` of prefill's (into decode pages 0, 1, ...); prefill's answer."""
+    src = [int(p) for p in pages]
+    client.send(protocol.TransferRequest(v=PROTOCOL_VERSION, request_id=request_id, num_tokens=len(src) * PAGE_TOKENS,
+                                         prefix_tokens=0, src_pages=src, dst_pages=list(range(len(src))),
+                                         slot_bytes=slot_bytes))  # fmt: skip
+    return client.recv(10.0)
+
+
+@contextmanager
+def rivals(spec: CacheSpec, **prefill_args: Any) -> Iterator[tuple[Prefill, SideChannelClient, SideChannelClient]]:
+    """A prefill rank and two decode engines handshaken with it: the one that acts first, and another."""
+    prefill = Prefill(spec, **prefill_args)
+    owner = handshaken(spec, prefill.service.port, "owner")
+    other = handshaken(spec, prefill.service.port, "other")
+    try:
+        yield prefill, owner, other
+    finally:
+        owner.close()
+        other.close()
+        prefill.close()

@@ -206,17 +206,15 @@ class HostCaches:
         return same
 
 
-class HostStaging:
+def host_staging(
+    transport: Transport, regions: list[Region], *, slot_bytes: int, pairs: int, mode: StageMode = "auto"
+) -> Staging:
     """A staging buffer in host memory, registered with ``transport`` beside ``regions`` (``transport.staging``)."""
-
-    def __init__(
-        self, transport: Transport, regions: list[Region], *, slot_bytes: int, pairs: int, mode: StageMode = "auto"
-    ) -> None:
-        self.buffer = np.zeros(2 * slot_bytes * pairs, dtype=np.uint8)
-        span = Span("staging", self.buffer.ctypes.data, self.buffer.size)
-        transport.register([span])
-        mover = HostMover([*(Span(r.name, r.base_addr, r.size_bytes) for r in regions), span])
-        self.staging = Staging(span, slot_bytes, mover, mode)
+    buffer = np.zeros(2 * slot_bytes * pairs, dtype=np.uint8)
+    span = Span("staging", buffer.ctypes.data, buffer.size)
+    transport.register([span])
+    mover = HostMover([*(Span(r.name, r.base_addr, r.size_bytes) for r in regions), span])
+    return Staging(span, slot_bytes, mover, mode, backing=buffer)
 
 
 def memcpy_gbps(num_bytes: int, repeats: int = 3) -> float:

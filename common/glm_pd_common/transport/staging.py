@@ -175,7 +175,9 @@ class SlotPairs:
 class Staging:
     """A rank's staging buffer (registered with its transport beside the caches), cut into pairs of slots."""
 
-    def __init__(self, span: Span, slot_bytes: int, mover: Mover, mode: StageMode = "auto") -> None:
+    def __init__(
+        self, span: Span, slot_bytes: int, mover: Mover, mode: StageMode = "auto", backing: object = None
+    ) -> None:
         if mode not in STAGE_MODES:
             raise ConfigError(f"staging mode must be one of {STAGE_MODES}, got {mode!r}")
         if slot_bytes <= 0 or slot_bytes % 4096 or 2 * slot_bytes > span.size_bytes:
@@ -184,6 +186,7 @@ class Staging:
                 f"{slot_bytes} B slots in {span.size_bytes} B"
             )
         self.span, self.slot_bytes, self.mover, self.mode = span, slot_bytes, mover, mode
+        self.backing = backing  # what owns the buffer's memory (an array or tensor): alive as long as this is
         self.pairs = SlotPairs(span.size_bytes // (2 * slot_bytes))
 
     def slot_offset(self, pair: int, k: int) -> int:

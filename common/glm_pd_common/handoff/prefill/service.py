@@ -384,6 +384,10 @@ class PrefillService:
         if not self._leases.may_act(msg.request_id, self._decodes.engine(ident)):
             self._not_theirs(ident, msg.request_id)
             return
+        staged = self._staged.refusal(ident, msg.request_id, msg.slot_bytes) if msg.slot_bytes else ""
+        if staged:
+            self._fail(ident, msg.request_id, staged, "invalid_params")
+            return
         try:
             plan = claim_plan(self.local, decode.peer, held.pages, msg)
             # Only a claim for the pages the lease holds moves it: a wrong one is refused and changes nothing.
@@ -393,10 +397,8 @@ class PrefillService:
             code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
             self._fail(ident, msg.request_id, str(exc), code)
             return
-        why = self._staged.open(ident, msg.request_id, plan, msg.slot_bytes) if msg.slot_bytes else ""
-        if why:
-            self._fail(ident, msg.request_id, why, "invalid_params")
-            return
+        if msg.slot_bytes:
+            self._staged.open(ident, msg.request_id, plan, msg.slot_bytes)
         if not msg.verify:
             self.server.send(ident, protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id))
             return

@@ -5,7 +5,8 @@ service thread to answer ``Gathered``.
 Decode asks for slots 0 and 1, then for slot ``k + 2`` once it has read slot ``k``, so slot ``k`` reuses the
 pair's slot ``k % 2`` and the gather of the next slot overlaps decode's read of this one. A read holds its pair
 from its first gather until decode's confirmation or the lease's end; reads that find no pair free wait in
-order. What one decode can make prefill hold is bounded: one read per claim, at most two slots asked ahead.
+order. What one decode can make prefill do is bounded by its claim: one read per claim, each slot asked once, in
+order (asking ahead only overwrites the asker's own slots).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from glm_pd_common.transport.devices import ThreadSetup
 from glm_pd_common.transport.staging import StagedRuns, Staging, staged_runs
 
 GATHER_THREADS = 2  # slots gathered at once (one per read at a time)
-AHEAD = 2  # slots a read may have asked for and not been answered: decode's double buffer
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class GatherDone:
 class _Read:
     runs: StagedRuns
     asked: deque[int] = field(default_factory=deque)
+    next_slot: int = 0  # the slot decode may ask for next: each once, in order
     pair: int | None = None
     busy: bool = False  # a gather into the pair is running
     closed: bool = False  # its lease ended or decode confirmed: the pair goes back once no gather runs
@@ -58,16 +59,19 @@ class StagedReads:
             GATHER_THREADS, thread_name_prefix=f"glm-pd-gather-{name}", initializer=on_thread
         )
 
-    def open(self, ident: bytes, request_id: str, plan: TransferPlan, slot_bytes: int) -> str:
-        """Cut a claim's plan into decode's slots; returns why not ("" when done)."""
+    def refusal(self, ident: bytes, request_id: str, slot_bytes: int) -> str:
+        """Why a claim asking for slots of ``slot_bytes`` cannot be read staged ("" if it can)."""
         if self.staging is None:
             return "this prefill rank has no staging buffer: post the runs directly"
         if not 0 < slot_bytes <= self.staging.slot_bytes:
             return f"staged slots of {slot_bytes} B: this rank's slots hold {self.staging.slot_bytes} B"
         if (request_id, ident) in self._reads:
             return "this decode rank already reads this request staged"
-        self._reads[(request_id, ident)] = _Read(staged_runs(plan, slot_bytes))
         return ""
+
+    def open(self, ident: bytes, request_id: str, plan: TransferPlan, slot_bytes: int) -> None:
+        """Cut a claim's plan into decode's slots (``refusal`` said it may)."""
+        self._reads[(request_id, ident)] = _Read(staged_runs(plan, slot_bytes))
 
     def ask(self, ident: bytes, msg: protocol.Gather) -> str:
         """Queue a slot decode asked for; returns why not ("" when queued)."""
@@ -76,8 +80,9 @@ class StagedReads:
             return "no staged read of this request is open for this decode (its claim did not ask for slots)"
         if not msg.slot < read.runs.num_slots:
             return f"slot {msg.slot} of a read of {read.runs.num_slots} slots"
-        if len(read.asked) + read.busy >= AHEAD:
-            return f"decode asked for more than {AHEAD} slots ahead"
+        if msg.slot != read.next_slot:
+            return f"slot {msg.slot} asked out of order: slots are asked once each, in order; next is {read.next_slot}"
+        read.next_slot += 1
         read.asked.append(msg.slot)
         self._pump()
         return ""
