@@ -11,6 +11,7 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
 from glm_pd_common.transport.base import BACKENDS
+from glm_pd_common.transport.staging import STAGE_MODES, StageMode
 
 HOST_ENV = "GLM_PD_SIDE_CHANNEL_HOST"  # the node's own address, set on each node: overrides side_channel_host
 
@@ -30,6 +31,9 @@ class GlmPdVllmConfig:
     model_revision: str = ""  # checked between peers when both set it
     streamed: bool = False  # prefill announces each step's blocks; decode reads while prefill runs (README)
     idle_wait_s: float = 2.0  # decode: a step with no tokens waits up to this for a load to end (0: never; README)
+    staging: StageMode = "auto"  # auto (GPU caches, short runs) | always | never: runs moved through staging slots
+    staging_mib: int = 256  # the staging buffer per rank (allocated at start-up where this rank may stage)
+    staging_slot_kib: int = 32768  # one slot: what one descriptor moves (a multiple of 4); pairs fill the buffer
     credential: str = ""  # the deployment's key: a *.key_secret file (`glm-pd keygen`) or env:NAME; needed off loopback
     insecure: bool = False  # run the side channel unauthenticated off loopback (anyone reaching it can touch the KV)
     caps: PeerCaps = DEFAULT_CAPS  # what decode peers can make prefill hold (an object of PeerCaps' fields)
@@ -73,6 +77,17 @@ class GlmPdVllmConfig:
             )
         if config.lease_s <= 0 or config.timeout_s <= 0:
             raise ConfigError("kv_connector_extra_config lease_s and timeout_s must be positive")
+        if config.staging not in STAGE_MODES:
+            raise ConfigError(
+                f"kv_connector_extra_config['staging'] must be one of {STAGE_MODES}, got {config.staging!r}"
+            )
+        if config.staging != "never" and not (
+            0 < 2 * config.staging_slot_kib <= config.staging_mib * 1024 and config.staging_slot_kib % 4 == 0
+        ):
+            raise ConfigError(
+                f"kv_connector_extra_config staging_mib ({config.staging_mib}) must hold two slots of "
+                f"staging_slot_kib ({config.staging_slot_kib}, a positive multiple of 4)"
+            )
         if not config.idle_wait_s >= 0:
             raise ConfigError(f"kv_connector_extra_config['idle_wait_s'] must be 0 or more, got {config.idle_wait_s}")
         if not 0 < config.side_channel_port < 65536:

@@ -41,7 +41,8 @@ class GlmPdPromMetrics(KVConnectorPromMetrics):
         self.transfer_seconds = create_metric_per_engine(seconds, per_engine_labelvalues)
         runs = self._counter_cls(
             name="vllm:glm_pd_descriptors",
-            documentation="Transfer descriptors (coalesced runs) posted by successful GlmPdConnector loads.",
+            documentation="Transfer runs (coalesced) of successful GlmPdConnector loads: the descriptors a direct "
+            "load posts.",
             labelnames=labelnames,
         )
         self.descriptors = create_metric_per_engine(runs, per_engine_labelvalues)
@@ -51,6 +52,13 @@ class GlmPdPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "kind"],
         )
         self.bytes_by_kind = {kind: self._children(moved, kind) for kind in KINDS}
+        staged = self._counter_cls(
+            name="vllm:glm_pd_staged_bytes",
+            documentation="Of the bytes moved, those that went through staging slots (one descriptor per slot "
+            "in place of one per run; the descriptors count counts the runs either way).",
+            labelnames=labelnames,
+        )
+        self.staged_bytes = create_metric_per_engine(staged, per_engine_labelvalues)
         loads = self._counter_cls(
             name="vllm:glm_pd_loads",
             documentation="GlmPdConnector loads by outcome (ok, failed) and reason (ok, or why it failed).",
@@ -85,6 +93,7 @@ class GlmPdPromMetrics(KVConnectorPromMetrics):
         self.descriptors[engine_idx].inc(sum(data["runs"]))
         for kind in KINDS:
             self.bytes_by_kind[kind][engine_idx].inc(data[f"bytes_{kind}"])
+        self.staged_bytes[engine_idx].inc(data["bytes_staged"])
         self.loads_ok[engine_idx].inc(stats.loads_ok)
         for code, n in stats.loads_failed().items():
             self.loads_failed[code][engine_idx].inc(n)

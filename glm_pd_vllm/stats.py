@@ -25,7 +25,8 @@ _LISTS = ("transfer_s", "runs")  # one entry per successful load, aligned
 
 
 def _counts() -> dict[str, int]:
-    names = [f"bytes_{k}" for k in KINDS] + [f"failed_{c}" for c in FAILURE_CODES] + [f"path_{p}" for p in PATHS]
+    names = [f"bytes_{k}" for k in KINDS] + ["bytes_staged"] + [f"failed_{c}" for c in FAILURE_CODES]
+    names += [f"path_{p}" for p in PATHS]
     return dict.fromkeys(names + [f"prefill_{o}" for o in PREFILL_OUTCOMES], 0)
 
 
@@ -57,15 +58,18 @@ class GlmPdStats(KVConnectorStats):
             raise ValueError("GlmPdStats: transfer_s and runs must have one entry per load")
 
     # -- what the worker records ----------------------------------------------------------------
-    def loaded(self, seconds: float, bytes_by_kind: dict[str, int], runs: int, path: str) -> None:
-        """One successful load: its wall time, the bytes it moved per region kind, the runs it posted, and the data
-        path its rank's transport moves them on (``datapath.PATHS``)."""
+    def loaded(
+        self, seconds: float, bytes_by_kind: dict[str, int], runs: int, path: str, staged_bytes: int = 0
+    ) -> None:
+        """One successful load: its wall time, the bytes it moved per region kind, the runs it planned, the data
+        path its rank's transport moves them on (``datapath.PATHS``), and of its bytes those moved staged."""
         if seconds < 0 or runs < 0:
             raise ValueError(f"GlmPdStats: negative load seconds {seconds} or runs {runs}")
         _check(path, PATHS, "data path")
         for kind in bytes_by_kind:
             _check(kind, KINDS, "region kind")
         self.data[f"path_{path}"] += 1
+        self.data["bytes_staged"] += int(staged_bytes)
         for kind, n in bytes_by_kind.items():
             self.data[f"bytes_{kind}"] += int(n)
         self.data["transfer_s"].append(float(seconds))
@@ -120,6 +124,8 @@ class GlmPdStats(KVConnectorStats):
             total_s = float(seconds.sum())
             out["Throughput (GB/s)"] = round(moved / total_s / 1e9, 3) if total_s > 0 else 0.0
         out.update({f"MiB {k}": round(self.data[f"bytes_{k}"] / 2**20, 3) for k in KINDS})
+        if self.data["bytes_staged"]:
+            out["MiB staged"] = round(self.data["bytes_staged"] / 2**20, 3)
         out.update({f"Loads over {p}": self.data[f"path_{p}"] for p in PATHS if self.data[f"path_{p}"]})
         out.update({f"Prefill {o}": self.data[f"prefill_{o}"] for o in PREFILL_OUTCOMES if self.data[f"prefill_{o}"]})
         return out

@@ -35,6 +35,7 @@ from glm_pd_common.transport.base import Transport, TransportConfig
 from glm_pd_common.transport.devices import thread_device
 from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
+from glm_pd_common.transport.staging import torch_staging
 from glm_pd_vllm.addresses import RankAddress, check_bindable
 from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig
@@ -119,6 +120,14 @@ class GlmPdWorker:
             ),
         )
         self.transport.register(regions)
+        staging = torch_staging(
+            torch,
+            self.transport,
+            regions,
+            size_bytes=self.config.staging_mib << 20,
+            slot_bytes=self.config.staging_slot_kib << 10,
+            mode=self.config.staging,
+        )
         local = Endpoint(
             self.engine_id,
             self.spec,
@@ -128,6 +137,7 @@ class GlmPdWorker:
             reader_for((r.mem_kind for r in regions), torch),
             thread_device(regions, torch),
             Trust.from_settings(self.config.credential, self.config.insecure),
+            staging,
         )
         if self.is_producer:
             self.prefill = PrefillService(
@@ -270,7 +280,9 @@ class GlmPdWorker:
                 out.finished_recving.add(result.request_id)
                 blocks = self._inflight.pop(result.request_id)
                 if result.ok:
-                    self.stats.loaded(result.seconds, result.bytes_by_kind, result.runs, self._path)
+                    self.stats.loaded(
+                        result.seconds, result.bytes_by_kind, result.runs, self._path, result.staged_bytes
+                    )
                 else:
                     out.failed_recving.add(result.request_id)
                     self._load_errors.update(blocks)

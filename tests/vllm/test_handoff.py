@@ -10,6 +10,9 @@ import pytest
 
 TOKENS = 1000  # blocks of 64 are asked for; the engine may choose another size, which the reports carry
 MOVED_PER_TOKEN = 7 * 656 + 4 * 132  # tiny model: 6 layers + MTP main rows; layers 0-2 + MTP indexer rows
+# both sides through staging slots of 64 KiB (tens per request, cutting runs mid-page); on host memory ``auto`` posts
+# directly, so the staged cases say ``always``
+STAGED = {"staging": "always", "staging_mib": 1, "staging_slot_kib": 64}
 
 
 def handoff(pd, prefill_kw=None, decode_kw=None, tamper=None):
@@ -49,9 +52,11 @@ def test_the_harness_reports_what_vllm_configured(pd):
         assert engine["amx"] is False
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("prefix", [0, 384])
-def test_suffix_moves_byte_exact_and_prefill_frees(pd, prefix):
-    prefill, params, matched, result = handoff(pd, decode_kw={"prefix_tokens": prefix})
+def test_suffix_moves_byte_exact_and_prefill_frees(pd, prefix, staged):
+    extra = {"extra": STAGED} if staged else {}
+    prefill, params, matched, result = handoff(pd, prefill_kw=extra, decode_kw={"prefix_tokens": prefix, **extra})
     (p,) = params
     assert p["remote_num_tokens"] == TOKENS and p["tp_size"] == 1
     assert p["remote_page_tokens"] == result["prefill_engine"]["block_size"]
@@ -65,6 +70,7 @@ def test_suffix_moves_byte_exact_and_prefill_frees(pd, prefix):
     (stats,) = result["stats"]
     assert stats["bytes_main"] + stats["bytes_indexer"] == moved_tokens(result, prefix) * MOVED_PER_TOKEN
     assert stats["bytes_indexer"] == moved_tokens(result, prefix) * 4 * 132
+    assert stats["bytes_staged"] == (stats["bytes_main"] + stats["bytes_indexer"] if staged else 0)
     assert prefill.read()["freed"] == ["req-1"]
 
 
@@ -79,15 +85,20 @@ def test_mooncake_transport_through_the_connector(pd):
     assert prefill.read()["freed"] == ["req-1"]
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
-def test_tp_mismatch_each_decode_rank_reads_one_whole_copy(pd, p_tp, d_tp):
-    prefill, params, _, result = handoff(pd, prefill_kw={"tp": p_tp}, decode_kw={"tp": d_tp, "prefix_tokens": 128})
+def test_tp_mismatch_each_decode_rank_reads_one_whole_copy(pd, p_tp, d_tp, staged):
+    extra = {"extra": STAGED} if staged else {}
+    prefill, params, _, result = handoff(
+        pd, prefill_kw={"tp": p_tp, **extra}, decode_kw={"tp": d_tp, "prefix_tokens": 128, **extra}
+    )
     assert params[0]["tp_size"] == p_tp
     r = result["requests"]["req-1"]
     assert r["outcome"] == "loaded", result
     assert r["mismatched"] == [] and r["checked_ranks"] == list(range(d_tp))  # every decode rank's caches checked
     per_rank = [s["bytes_main"] + s["bytes_indexer"] for s in result["stats"]]
     assert per_rank == [moved_tokens(result, 128) * MOVED_PER_TOKEN] * d_tp
+    assert [s["bytes_staged"] for s in result["stats"]] == (per_rank if staged else [0] * d_tp)
     assert prefill.read()["freed"] == ["req-1"]  # on every prefill rank, dummies included
 
 

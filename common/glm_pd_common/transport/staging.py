@@ -25,8 +25,9 @@ import numpy as np
 
 from glm_pd_common.errors import ConfigError
 from glm_pd_common.layout.plan import TransferPlan
+from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.slots import Packed, pack_runs
-from glm_pd_common.transport.base import Span
+from glm_pd_common.transport.base import Span, Transport
 from glm_pd_common.transport.memory import DeviceBytes
 
 StageMode = Literal["auto", "always", "never"]
@@ -195,6 +196,22 @@ class Staging:
 
     def slot_addr(self, pair: int, k: int) -> int:
         return self.span.base_addr + self.slot_offset(pair, k)
+
+
+def torch_staging(
+    torch: Any, transport: Transport, regions: Sequence[Region], *, size_bytes: int, slot_bytes: int, mode: StageMode
+) -> Staging | None:
+    """A rank's staging buffer allocated once through its engine's ``torch`` on the caches' device, registered with
+    ``transport``; None where the rank never stages (``never``, no size, or ``auto`` over host memory)."""
+    kind = regions[0].mem_kind
+    if mode == "never" or size_bytes <= 0 or (mode == "auto" and kind != "VRAM"):
+        return None
+    device = torch.device("cuda", regions[0].device_id) if kind == "VRAM" else torch.device("cpu")
+    buffer = torch.empty(size_bytes // (2 * slot_bytes) * 2 * slot_bytes, dtype=torch.uint8, device=device)
+    span = Span("staging", buffer.data_ptr(), buffer.numel(), kind, regions[0].device_id)
+    transport.register([span])
+    spans = [*(Span(r.name, r.base_addr, r.size_bytes, r.mem_kind, r.device_id) for r in regions), span]
+    return Staging(span, slot_bytes, TorchMover(torch, spans), mode, backing=buffer)
 
 
 def stages(plan: TransferPlan, mode: StageMode, mem_kind: str) -> bool:
