@@ -106,11 +106,16 @@ def rdma_devices() -> tuple[str, ...]:
         return ()
 
 
+# What lifts a refusal for want of RDMA, in each engine's words
+ALLOW_TCP = (
+    'glm-pd demo --allow-tcp; vLLM kv_connector_extra_config {"allow_tcp": true}; SGLang SGLANG_GLM_PD_ALLOW_TCP=1'
+)
+
+
 def tcp_refusal(backend: str, why: str) -> ConfigError:
     return ConfigError(
         f"{backend} would move KV over TCP ({why}); at ~1 GB/s that is a silent 50x slowdown. "
-        "Fix the RDMA set-up, or allow TCP explicitly: glm-pd demo --allow-tcp; "
-        'vLLM kv_connector_extra_config {"allow_tcp": true}; SGLang SGLANG_GLM_PD_ALLOW_TCP=1.'
+        f"Fix the RDMA set-up, or allow TCP explicitly: {ALLOW_TCP}."
     )
 
 
