@@ -4,13 +4,18 @@ import ctypes.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from glm_pd_common.handoff.wire.trust import make_credential
 from glm_pd_common.tools.demo_peers import MARK
-from glm_pd_common.tools.doctor import check_ucx_path
+from glm_pd_common.tools.doctor import check_rdma, check_ucx_path
 from glm_pd_common.transport.base import rdma_devices
+from glm_pd_common.transport.datapath import parse
+from glm_pd_common.transport.node import node_id
+
+TABLES = Path(__file__).parents[1] / "transport" / "data" / "ucx_proto"
 
 
 def doctor(*args):
@@ -29,6 +34,29 @@ def test_doctor_fails_without_rdma_and_says_how_to_fix():
     checks = {c["name"]: c for c in json.loads(proc.stdout)}
     assert checks["nixl"]["status"] == "PASS"
     assert checks["rdma devices"]["status"] == "FAIL" and "allow_tcp" in checks["rdma devices"]["fix"]
+    assert checks["node"]["status"] == "INFO" and checks["node"]["detail"].startswith(node_id())
+
+
+def recorded(table: str) -> tuple[list, str]:
+    """A GPU probe's answer, as UCX printed it in a recorded table."""
+    return parse((TABLES / table).read_text()), ""
+
+
+def test_without_rdma_gpu_memory_by_cuda_ipc_is_a_warning_intra_node_only():
+    (check,) = check_rdma((), recorded("cuda_get_cuda_ipc.txt"))
+    assert check.status == "WARN" and "cuda_ipc for READ, intra-node only" in check.detail, check
+    assert "NIC driver" in check.fix
+
+
+@pytest.mark.parametrize("probe", [recorded("cuda_get_tcp.txt"), ([], "no CUDA driver (libcuda)"), None])
+def test_without_rdma_an_emulated_or_unobserved_gpu_path_fails(probe):
+    (check,) = check_rdma((), probe)
+    assert check.status == "FAIL" and "KV would move over TCP" in check.detail and "allow_tcp" in check.fix
+
+
+def test_rdma_devices_pass_whatever_the_gpu_path():
+    (check,) = check_rdma(("mlx5_0",), recorded("cuda_get_tcp.txt"))
+    assert check.status == "PASS" and check.detail.startswith("mlx5_0")
 
 
 def test_ucx_probe_observes_reads_and_writes_on_host_memory():

@@ -58,3 +58,31 @@ def test_a_rank_that_reads_gpu_memory_reports_the_path_observed_at_registration(
         transport.close()
     print(path)
     assert read.protocol in path and read.transports[0] in path and "probed within this node" in path
+
+
+def test_without_rdma_gpu_caches_move_by_cuda_ipc_to_peers_on_this_node_only():
+    """No RDMA NIC and no allow_tcp: a rank that WRITEs GPU caches starts where UCX takes cuda_ipc for it (the H200
+    of FACTS section 9 did), limited to peers on its node; one that only serves its peer's operation starts too. A
+    READ emulated over tcp is refused as the doctor's data-path check says (``check_ucx_path``, above)."""
+    from glm_pd_common.tools.flat import flat_span
+    from glm_pd_common.transport.base import TransportConfig, rdma_devices
+    from glm_pd_common.transport.datapath import judge_without_rdma
+    from glm_pd_common.transport.factory import create_transport
+
+    if rdma_devices():
+        pytest.skip("this machine has RDMA devices: nothing is limited to its node")
+    selections, err = observe("cuda")
+    write = between_peers(selections, "WRITE", "cuda")
+    assert write is not None and write.path == "cuda_ipc", err or write.describe()
+    assert judge_without_rdma("no RDMA devices", {"VRAM"}, "WRITE", write).intra_node
+    cache = torch.ones(1 << 20, dtype=torch.uint8, device="cuda:0")
+    for name, posts in (("gpu-writer", "WRITE"), ("gpu-server", None)):
+        transport = create_transport(name, TransportConfig(posts=posts))
+        try:
+            transport.register([flat_span(cache.data_ptr(), cache.numel(), "VRAM", 0)])
+            info = transport.info()
+        finally:
+            transport.close()
+        print(name, info.data_path)
+        assert transport.node_only and "peers on this node only" in info.data_path and not info.rdma
+        assert info.path == ("cuda_ipc" if posts else "unknown"), info

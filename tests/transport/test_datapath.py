@@ -1,13 +1,13 @@
 """The data path read from UCX's own protocol tables (recorded ones: this machine's, and GPU tables from public
 reports), and the rule for GPU caches: cuda_ipc and RDMA pass, software emulation and tcp are refused unless the
-operator allowed TCP, naming what UCX chose and the fix."""
+operator allowed TCP, naming what UCX chose and the fix. Without RDMA, cuda_ipc is taken for peers on one node."""
 
 from pathlib import Path
 
 import pytest
 
 from glm_pd_common.transport.base import TransportConfig, rdma_devices
-from glm_pd_common.transport.datapath import PATHS, between_peers, judge_gpu_path, parse
+from glm_pd_common.transport.datapath import PATHS, between_peers, judge_gpu_path, judge_without_rdma, parse
 from glm_pd_common.transport.factory import create_transport
 
 TABLES = Path(__file__).parent / "data" / "ucx_proto"
@@ -80,3 +80,43 @@ def test_the_transports_path_in_one_word_is_what_metrics_label_loads_with():
         assert info.path == "tcp" and info.path in PATHS and not info.rdma, info
     finally:
         transport.close()
+
+
+NO_NIC = "no RDMA devices under /sys/class/infiniband"
+
+
+def test_without_rdma_host_caches_are_refused_as_tcp_naming_why_and_the_fix():
+    refused = judge_without_rdma(NO_NIC, {"DRAM"}, "READ", chosen("host_cma.txt", "READ", "host"))
+    assert not refused.accepted and not refused.intra_node
+    assert "would move KV over TCP" in refused.detail and NO_NIC in refused.detail
+    assert "rdma-core" in refused.fix and "--allow-tcp" in refused.fix and "allow_tcp" in refused.fix
+
+
+@pytest.mark.parametrize("kinds", [{"VRAM"}, {"VRAM", "DRAM"}])  # SGLang registers host metadata buffers beside
+def test_without_rdma_a_gpu_path_by_cuda_ipc_is_accepted_for_this_node_only(kinds):
+    verdict = judge_without_rdma(NO_NIC, kinds, "READ", chosen("cuda_get_cuda_ipc.txt", "READ", "cuda"))
+    assert verdict.accepted and verdict.intra_node
+    assert NO_NIC in verdict.detail and "cuda_ipc/cuda" in verdict.detail and "this node only" in verdict.detail
+
+
+@pytest.mark.parametrize(("table", "transport"), [("cuda_get_tcp.txt", "tcp/lo"), ("cuda_get_sysv.txt", "sysv")])
+def test_without_rdma_an_emulated_gpu_path_is_refused_naming_what_ucx_chose(table, transport):
+    refused = judge_without_rdma(NO_NIC, {"VRAM"}, "READ", chosen(table, "READ", "cuda"))
+    assert not refused.accepted and not refused.intra_node
+    assert "software emulation" in refused.detail and transport in refused.detail and NO_NIC in refused.detail
+    assert "UCX_RMA_PPLN_ENABLE=y" in refused.fix and "allow_tcp" in refused.fix
+    assert refused.message() == f"{refused.detail}. Fix: {refused.fix}"
+
+
+def test_without_rdma_a_gpu_path_that_was_not_observed_is_refused_naming_the_probes_error():
+    """No silent TCP: a probe that saw no table (no driver, a crash) refuses, naming what it said."""
+    refused = judge_without_rdma(NO_NIC, {"VRAM"}, "WRITE", None, "no CUDA driver (libcuda) on this machine")
+    assert not refused.accepted and "WRITE" in refused.detail and "no CUDA driver (libcuda)" in refused.detail
+    assert "glm-pd doctor" in refused.fix and "allow_tcp" in refused.fix
+    assert "UCX printed no table" in judge_without_rdma(NO_NIC, {"VRAM"}, "WRITE", None).detail
+
+
+def test_without_rdma_a_rank_that_only_serves_gpu_memory_is_accepted_for_this_node_only():
+    """vLLM prefill, SGLang decode: the peer posts, on this node (``add_peer`` sees to it), and observes its path."""
+    verdict = judge_without_rdma(NO_NIC, {"VRAM"}, None, None)
+    assert verdict.accepted and verdict.intra_node and "this node only" in verdict.detail

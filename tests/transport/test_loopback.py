@@ -19,6 +19,7 @@ from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import num_pages_for, suffix_pages
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.layout.spec import CacheSpec
+from glm_pd_common.tools.flat import flat_region
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.base import TransportConfig, rdma_devices
 from glm_pd_common.transport.factory import create_transport
@@ -175,8 +176,15 @@ def test_corrupted_truncated_or_foreign_metadata_is_refused(backend):
 @pytest.mark.skipif(bool(rdma_devices()), reason="this host has RDMA devices, so nothing would fall back to TCP")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tcp_is_refused_unless_allowed(backend):
+    """Mooncake refuses to start; NIXL once host caches are registered (GPU caches may still move by cuda_ipc within
+    one node: test_intra_node.py)."""
+    host = np.zeros(4096, dtype=np.uint8)
     with pytest.raises(ConfigError, match=r"would move KV over TCP.*--allow-tcp"):
-        create_transport("x", TransportConfig(backend=backend))
+        transport = create_transport("x", TransportConfig(backend=backend))
+        try:
+            transport.register([flat_region(host)])
+        finally:
+            transport.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -24,10 +24,12 @@ from glm_pd_common.tools.args import add_model_args, cache_spec
 from glm_pd_common.tools.extras import OPTIONAL_MODULES, install_hint, installed
 from glm_pd_common.tools.ucxprobe import OPERATIONS
 from glm_pd_common.transport.base import rdma_devices
-from glm_pd_common.transport.datapath import between_peers, judge_gpu_path, observe
+from glm_pd_common.transport.datapath import Selection, between_peers, judge_gpu_path, judge_without_rdma, observe
 from glm_pd_common.transport.mooncake import gpu_memory_refusal, installed_wheel
+from glm_pd_common.transport.node import node_id
 
 _NO_TORCH_NIXL = "without torch: pip install pyzmq, then pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+Probe = tuple[list[Selection], str]  # ``datapath.observe``'s answer: UCX's choices, and why the probe failed
 
 
 @dataclass(frozen=True)
@@ -102,12 +104,30 @@ def _gpus() -> list[str]:
     return [ln for ln in res.stdout.splitlines() if ln.startswith("GPU")]
 
 
-def check_rdma() -> list[Check]:
-    devices = rdma_devices()
+def check_rdma(devices: tuple[str, ...], gpu_probe: Probe | None) -> list[Check]:
+    """RDMA devices; without them GPU caches may still move by cuda_ipc to peers on this node, as NIXL accepts
+    (``judge_without_rdma`` on ``gpu_probe``, the loopback probe of GPU memory): a warning then, not a failure."""
     dev_nodes = sorted(os.listdir("/dev/infiniband")) if os.path.isdir("/dev/infiniband") else []
     if devices:
         return [
             Check("PASS", "rdma devices", f"{', '.join(devices)} (/dev/infiniband: {', '.join(dev_nodes) or 'none'})")
+        ]
+    why = "no RDMA devices under /sys/class/infiniband"
+    selections, err = gpu_probe or ([], "")  # no probe: nothing observed, so no operation is accepted
+    intra = [
+        op
+        for op in OPERATIONS
+        if judge_without_rdma(why, {"VRAM"}, op, between_peers(selections, op, "cuda"), err).accepted
+    ]
+    if intra:
+        return [
+            Check(
+                "WARN",
+                "rdma devices",
+                f"none under /sys/class/infiniband: GPU caches move by cuda_ipc for {' and '.join(intra)}, intra-node "
+                "only (peers on this node); host caches and other nodes would be TCP",
+                "for pairs across nodes install the NIC driver/rdma-core and expose /dev/infiniband to the container",
+            )
         ]
     return [
         Check(
@@ -120,10 +140,11 @@ def check_rdma() -> list[Check]:
     ]
 
 
-def check_ucx_path(memory: str) -> list[Check]:
-    """What UCX picks between two processes of this node, for READ (pull) and WRITE (push) on ``memory``."""
+def check_ucx_path(memory: str, probe: Probe | None = None) -> list[Check]:
+    """What UCX picks between two processes of this node, for READ (pull) and WRITE (push) on ``memory`` (as
+    ``probe`` saw it, else as a new probe sees it)."""
     name = f"ucx data path ({memory})"
-    selections, err = observe(memory)
+    selections, err = probe or observe(memory)
     if err:
         return [Check("FAIL", name, err, "run with UCX_LOG_LEVEL=info for details")]
     checks = []
@@ -168,6 +189,11 @@ def check_gpus() -> list[Check]:
         )
         out.append(Check("INFO", "torch", detail))
     return out
+
+
+def check_node() -> Check:
+    """The id a transport announces to its peers: one limited to its node (cuda_ipc, no RDMA) names both ids."""
+    return Check("INFO", "node", f"{node_id()} (the kernel's boot id, hashed: one per host and boot)")
 
 
 def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
@@ -218,11 +244,14 @@ def check_peer(address: str, spec_args: argparse.Namespace) -> list[Check]:
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = check_side_channel() + check_transports() + check_rdma() + check_gpus()
-    if not args.skip_probe and _version("nixl"):
+    probing = not args.skip_probe and bool(_version("nixl"))
+    gpu_probe = observe("cuda") if probing and _gpus() else None  # GPU caches move between GPU buffers
+    checks = check_side_channel() + check_transports() + check_rdma(rdma_devices(), gpu_probe) + check_gpus()
+    checks.append(check_node())
+    if probing:
         checks += check_ucx_path("host")
-        if _gpus():
-            checks += check_ucx_path("cuda")  # GPU caches move between GPU buffers: observe that path too
+        if gpu_probe is not None:
+            checks += check_ucx_path("cuda", gpu_probe)
     if args.peer:
         checks += check_peer(args.peer, args)
     if args.json:

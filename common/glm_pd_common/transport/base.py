@@ -23,6 +23,7 @@ from glm_pd_common.decoding import decode_as
 from glm_pd_common.errors import ConfigError, ProtocolError, TransferFailed
 from glm_pd_common.layout.plan import RegionRuns, TransferPlan
 from glm_pd_common.layout.regions import Region
+from glm_pd_common.transport.node import node_id
 
 Op = Literal["READ", "WRITE"]
 BACKENDS = ("nixl", "mooncake")
@@ -94,8 +95,13 @@ class Transfer:
 class _Blob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backend: str
     agent_name: str
+    node: str  # ``node.node_id()`` of the agent's host: a transport limited to its own node compares it
     payload: bytes
-    digest: int
+    digest: int  # ``_digest(node, payload)``: a damaged frame is refused before the library sees the payload
+
+
+def _digest(node: str, payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(node.encode()))
 
 
 def rdma_devices() -> tuple[str, ...]:
@@ -106,11 +112,16 @@ def rdma_devices() -> tuple[str, ...]:
         return ()
 
 
+# What lifts a refusal for want of RDMA, in each engine's words
+ALLOW_TCP = (
+    'glm-pd demo --allow-tcp; vLLM kv_connector_extra_config {"allow_tcp": true}; SGLang SGLANG_GLM_PD_ALLOW_TCP=1'
+)
+
+
 def tcp_refusal(backend: str, why: str) -> ConfigError:
     return ConfigError(
         f"{backend} would move KV over TCP ({why}); at ~1 GB/s that is a silent 50x slowdown. "
-        "Fix the RDMA set-up, or allow TCP explicitly: glm-pd demo --allow-tcp; "
-        'vLLM kv_connector_extra_config {"allow_tcp": true}; SGLang SGLANG_GLM_PD_ALLOW_TCP=1.'
+        f"Fix the RDMA set-up, or allow TCP explicitly: {ALLOW_TCP}."
     )
 
 
@@ -166,6 +177,9 @@ class Transport(abc.ABC):
     def __init__(self, agent_name: str, config: TransportConfig) -> None:
         self.agent_name = agent_name
         self.config = config
+        self.node = node_id()
+        # Why this transport may pair only with agents on its own node ("": any node); a backend sets it
+        self.node_only = ""
         self._local: list[Span] = []
         self._remote: dict[str, list[Span]] = {}
 
@@ -222,7 +236,7 @@ class Transport(abc.ABC):
     def metadata(self) -> bytes:
         """This agent's metadata, framed with its backend, name and digest for a peer's ``add_peer``."""
         payload = self._metadata()
-        blob = _Blob(self.backend, self.agent_name, payload, xxhash.xxh3_64_intdigest(payload))
+        blob = _Blob(self.backend, self.agent_name, self.node, payload, _digest(self.node, payload))
         return msgspec.msgpack.encode(blob)
 
     def add_peer(self, metadata: bytes, regions: Sequence[Span]) -> str:
@@ -230,8 +244,14 @@ class Transport(abc.ABC):
         blob = decode_as(metadata, _Blob, f"{self.backend} peer metadata (corrupted or truncated)")
         if blob.backend != self.backend:
             raise ProtocolError(f"peer speaks transport {blob.backend!r}; this agent uses {self.backend!r}")
-        if xxhash.xxh3_64_intdigest(blob.payload) != blob.digest:
+        if _digest(blob.node, blob.payload) != blob.digest:
             raise ProtocolError(f"{self.backend}: metadata of peer {blob.agent_name!r} fails its digest")
+        if self.node_only and blob.node != self.node:
+            raise ProtocolError(
+                f"{self.backend}: peer {blob.agent_name!r} is on node {blob.node}, this agent on node {self.node} "
+                f"(glm-pd doctor prints a node's id), and {self.node_only}. Fix: pair engines on one node, set up "
+                f"RDMA on both nodes, or allow TCP explicitly: {ALLOW_TCP}"
+            )
         try:
             self._add_peer(blob.agent_name, blob.payload)
         except Exception as exc:

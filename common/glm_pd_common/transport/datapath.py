@@ -17,7 +17,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
+
+from glm_pd_common.transport.base import ALLOW_TCP, Op
 
 _OPERATION = re.compile(
     r"remote memory (?P<op>read|write) by ucp_(?:get|put)\*(?:\([^)]*\))? "
@@ -119,6 +122,10 @@ class Verdict:
     accepted: bool
     detail: str
     fix: str = ""
+    intra_node: bool = False  # accepted for peers on this node only (GPU memory by cuda_ipc, no RDMA NIC)
+
+    def message(self) -> str:
+        return f"{self.detail}. Fix: {self.fix}" if self.fix else self.detail
 
 
 def judge_gpu_path(selection: Selection, allow_tcp: bool) -> Verdict:
@@ -150,3 +157,40 @@ def observe(memory: str, device: int = 0, timeout_s: float = 90.0) -> tuple[list
         return [], f"the loopback probe did not finish in {timeout_s:.0f} s"
     text = proc.stdout + proc.stderr
     return parse(text), "" if proc.returncode == 0 else f"probe exited {proc.returncode}: {text[-400:]}"
+
+
+_RDMA_FIX = "install the NIC driver and rdma-core and expose /dev/infiniband (and the RDMA transports in UCX_TLS)"
+
+
+def judge_without_rdma(
+    why: str,
+    memory_kinds: Collection[str],
+    posts: Op | None,
+    chosen: Selection | None,
+    probe_error: str = "",
+) -> Verdict:
+    """A NIXL rank without an RDMA transport (``why``) and without allow_tcp. Host caches would move over tcp:
+    refused. GPU caches move by cuda_ipc between processes of one node with no NIC at all, so they are accepted
+    for peers on this node only (``intra_node``): for the operation this rank ``posts``, where the loopback probe
+    saw UCX ``chosen`` take it (emulation or tcp refused as ``judge_gpu_path`` says; a probe that saw nothing
+    refused, naming ``probe_error``); a rank that only serves its peer's operation leaves that to the peer."""
+    if "VRAM" not in memory_kinds:
+        return Verdict(
+            False,
+            f"UCX would move KV over TCP ({why}; the caches are in host memory): at ~1 GB/s a silent 50x slowdown",
+            f"{_RDMA_FIX}; or allow TCP explicitly: {ALLOW_TCP}",
+        )
+    node_only = "peers on this node only (cuda_ipc needs no NIC; between nodes UCX would take tcp)"
+    if posts is None:
+        return Verdict(True, f"{why}: GPU memory served to {node_only}; the posting peer observes its path", "", True)
+    if chosen is None:
+        return Verdict(
+            False,
+            f"{why}, and the path UCX takes for {posts} between GPU buffers could not be observed "
+            f"({probe_error or 'UCX printed no table for it'}): it may be tcp",
+            f"run glm-pd doctor on this node to see the probe; {_RDMA_FIX}; or allow TCP explicitly: {ALLOW_TCP}",
+        )
+    verdict = judge_gpu_path(chosen, allow_tcp=False)
+    if not verdict.accepted:
+        return Verdict(False, f"{why}; {verdict.detail}", verdict.fix)
+    return Verdict(True, f"{why}; {verdict.detail}: {node_only}", "", True)

@@ -26,9 +26,8 @@ from glm_pd_common.transport.base import (
     TransportConfig,
     TransportInfo,
     rdma_devices,
-    tcp_refusal,
 )
-from glm_pd_common.transport.datapath import between_peers, judge_gpu_path, observe
+from glm_pd_common.transport.datapath import Selection, between_peers, judge_gpu_path, judge_without_rdma, observe
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +49,23 @@ def _tls_allows_rdma() -> bool:
     return any(t in tls for t in ("rc", "dc", "ud", "ib", "all"))
 
 
+def _without_rdma(devices: tuple[str, ...]) -> str:
+    """Why UCX has no RDMA transport here ("" when it has one)."""
+    if not devices:
+        return "no RDMA devices under /sys/class/infiniband"
+    return "" if _tls_allows_rdma() else f"UCX_TLS={os.environ['UCX_TLS']} excludes the RDMA transports"
+
+
 class NixlTransport(Transport):
     backend = "nixl"
 
     def __init__(self, agent_name: str, config: TransportConfig) -> None:
         super().__init__(agent_name, config)
         devices = rdma_devices()
-        if not config.allow_tcp:
-            if not devices:
-                raise tcp_refusal("NIXL/UCX", "no RDMA devices under /sys/class/infiniband")
-            if not _tls_allows_rdma():
-                raise tcp_refusal("NIXL/UCX", f"UCX_TLS={os.environ['UCX_TLS']} excludes the RDMA transports")
+        # Without RDMA and allow_tcp, GPU caches may still move by cuda_ipc within this node: registration judges
+        # them (``judge_without_rdma``), and until then, and after, peers must be on this node.
+        self._without_rdma = "" if config.allow_tcp else _without_rdma(devices)
+        self.node_only = f"this agent moves KV without RDMA ({self._without_rdma})" if self._without_rdma else ""
         _prepare_environment(devices)
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
@@ -82,26 +87,43 @@ class NixlTransport(Transport):
         self._backlog_lock = threading.Lock()
 
     def _register(self, regions: Sequence[Region | Span]) -> None:
+        gpu = [r for r in regions if r.mem_kind == "VRAM"]
+        if self._without_rdma and not self._observed:
+            self._observed = self._judge_without_rdma({r.mem_kind for r in regions}, gpu[0].device_id if gpu else 0)
+        elif gpu and self.config.posts is not None and not self._observed:
+            self._observed = self._observe_gpu_path(self.config.posts, gpu[0].device_id)
         for kind in sorted({r.mem_kind for r in regions}):
             chosen = [r for r in regions if r.mem_kind == kind and r.size_bytes > 0]
             descs = np.array([[r.base_addr, r.size_bytes, r.device_id] for r in chosen], dtype=np.uint64)
             self._reg.append(self._agent.register_memory(descs, kind))
-        gpu = [r for r in regions if r.mem_kind == "VRAM"]
-        if gpu and self.config.posts is not None and not self._observed:
-            self._observed = self._observe_gpu_path(self.config.posts, gpu[0].device_id)
+
+    def _judge_without_rdma(self, kinds: set[str], device: int) -> str:
+        """Accept GPU caches without RDMA for peers on this node (cuda_ipc), else refuse naming what was found."""
+        op = self.config.posts
+        chosen, err = self._probe(op, device) if op is not None and "VRAM" in kinds else (None, "")
+        verdict = judge_without_rdma(self._without_rdma, kinds, op, chosen, err)
+        if not verdict.accepted:
+            raise ConfigError(f"NIXL/UCX: {verdict.message()}")
+        self._observed_path = chosen.path if chosen is not None else "unknown"
+        return verdict.detail
+
+    @staticmethod
+    def _probe(op: Op, device: int) -> tuple[Selection | None, str]:
+        """What UCX picks for ``op`` between GPU buffers on ``device`` (a probe within this node), and why not."""
+        selections, err = observe("cuda", device)
+        return between_peers(selections, op, "cuda"), err
 
     def _observe_gpu_path(self, op: Op, device: int) -> str:
         """What UCX picks for this rank's ``op`` between GPU buffers on ``device`` (a probe within this node), or
         a refusal naming it and the fix. A probe that cannot run is logged, not fatal: the checks above hold."""
-        selections, err = observe("cuda", device)
-        chosen = between_peers(selections, op, "cuda")
+        chosen, err = self._probe(op, device)
         if chosen is None:
             note = f"GPU data path not observed: {err or 'UCX printed no table for it'}"
             logger.warning("glm-pd: %s", note)
             return note
         verdict = judge_gpu_path(chosen, self.config.allow_tcp)
         if not verdict.accepted:
-            raise ConfigError(f"{verdict.detail}. Fix: {verdict.fix}")
+            raise ConfigError(verdict.message())
         if verdict.fix:  # accepted only because the operator allowed TCP: say what it costs, every start
             logger.warning("glm-pd: %s; to move GPU memory at speed: %s", verdict.detail, verdict.fix)
         self._observed_path = chosen.path
@@ -189,13 +211,15 @@ class NixlTransport(Transport):
 
     def info(self) -> TransportInfo:
         tls = os.environ.get("UCX_TLS", "") or "all (UCX chooses)"
-        if self._devices and _tls_allows_rdma():
+        rdma = bool(self._devices) and _tls_allows_rdma()
+        if rdma:
             path = f"UCX RDMA over {', '.join(self._devices)} (UCX_TLS={tls})"
+        elif self.node_only:
+            path = f"UCX without RDMA, GPU memory to peers on node {self.node} only (UCX_TLS={tls})"
         else:
             path = f"UCX without RDMA: tcp between hosts, cma/shared memory within one (UCX_TLS={tls})"
         if self._observed:
             path = f"{path}; {self._observed}"
-        rdma = bool(self._devices) and _tls_allows_rdma()
         return TransportInfo(
             backend="nixl",
             version=pkg_metadata.version("nixl"),
