@@ -23,7 +23,8 @@ Version history:
   decode engine that first acts on it.
 - 7: staged transfers: the hello announces the rank's staging buffer (``staging``); a claim may ask for its runs
   in slots of ``slot_bytes``, and decode then asks for each slot (``gather``) and reads it from where prefill
-  says it gathered it (``gathered``).
+  says it gathered it (``gathered``). The transport metadata a hello carries names its node, so a rank that
+  moves GPU memory by cuda_ipc (no RDMA) refuses a peer on another node.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
