@@ -4,6 +4,7 @@ per GPU at TP 8; an H200 has 141 GB, a B200 180 GB."""
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -65,3 +66,14 @@ def test_plan_prints_each_sides_verdict(capsys) -> None:
     assert re.search(r"prefill request KV +57.39 GB per rank \(replicated\): fits", out)
     assert main(["plan", "--prefill-tp", "8", "--decode-tp", "8", "--hbm-gb", "141"]) == 0
     assert "does not fit; needs DCP >= 2" in capsys.readouterr().out
+
+
+def test_the_staging_buffer_is_counted_against_the_headroom_the_engine_leaves() -> None:
+    """Staging is allocated after the engine sized its KV cache: it never shrinks the KV budget, and must fit the
+    (1 - utilization) the engine leaves."""
+    base = inputs(141.0)
+    staged = replace(base, staging_bytes=256 * 2**20)
+    assert hbm_account(staged, 2)["kv_free_bytes"] == hbm_account(base, 2)["kv_free_bytes"]
+    account = hbm_account(staged, 2)
+    assert account["headroom_bytes"] == pytest.approx(0.1 * 141e9) and account["staging_fits"]
+    assert not hbm_account(replace(base, staging_bytes=20e9), 2)["staging_fits"]  # more than 14.1 GB left

@@ -32,12 +32,17 @@ class HbmInputs:
     utilization: float
     weights_per_rank_bytes: float
     reserve_bytes: float  # activations, CUDA graphs, the engine's workspace: what profiling would take
+    # glm-pd's staging buffer, allocated after the engine sized its KV cache: it comes out of the headroom the
+    # engine leaves (1 - utilization), never out of the KV cache
+    staging_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.utilization <= 1:
             raise ConfigError(f"gpu memory utilization must be in (0, 1], got {self.utilization}")
-        if self.tp <= 0 or self.hbm_bytes <= 0 or self.weights_per_rank_bytes < 0 or self.reserve_bytes < 0:
+        if self.tp <= 0 or self.hbm_bytes <= 0 or min(self.weights_per_rank_bytes, self.reserve_bytes) < 0:
             raise ConfigError("tp and HBM must be positive, weights and reserve not negative")
+        if self.staging_bytes < 0:
+            raise ConfigError(f"staging bytes must not be negative, got {self.staging_bytes}")
 
 
 def kv_bytes_per_token(spec: CacheSpec, sharding: Sharding | None, tp: int) -> int:
@@ -79,6 +84,7 @@ def hbm_account(inputs: HbmInputs, shards: int) -> dict[str, object]:
         raise ConfigError(f"context parallel size {shards} must divide TP {inputs.tp}")
     free = kv_free_bytes(inputs)
     kv = tokens_per_rank(inputs.num_tokens, shards) * inputs.kv_bytes_per_token
+    headroom = (1 - inputs.utilization) * inputs.hbm_bytes
     return {
         "hbm_bytes": inputs.hbm_bytes,
         "utilization": inputs.utilization,
@@ -89,6 +95,9 @@ def hbm_account(inputs: HbmInputs, shards: int) -> dict[str, object]:
         "kv_per_rank_bytes": kv,
         "fits": kv <= free,
         "min_context_parallel": min_shards(inputs),
+        "staging_bytes": inputs.staging_bytes,
+        "headroom_bytes": headroom,
+        "staging_fits": inputs.staging_bytes <= headroom,
     }
 
 

@@ -39,6 +39,13 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     hbm.add_argument("--weights-gb", type=float, help="checkpoint size in GB, split over TP (default: the config "
                      "folder's safetensors index, or the preset's FP8 checkpoint)")  # fmt: skip
     hbm.add_argument("--reserve-gb", type=float, default=4.0, help="activations and workspace per rank (4)")
+    hbm.add_argument(
+        "--staging-mib",
+        type=int,
+        default=256,
+        help="glm-pd's staging buffer per rank (vLLM "
+        "staging_mib, 256; 0 without staging): it must fit the headroom the engine leaves",
+    )
     cp = p.add_argument_group("context parallelism: how each side's ranks shard the caches (default: replicated)")
     cp.add_argument("--prefill-cp", type=int, default=1, help="prefill's token shards (vLLM -dcp on prefill)")
     cp.add_argument("--prefill-layer-split", type=int, default=1, help="prefill's layer shards (SGLang CP layer split)")
@@ -139,6 +146,7 @@ def hbm_sides(args: argparse.Namespace, spec: CacheSpec, prefill_sharding: Shard
             utilization=args.gpu_memory_utilization,
             weights_per_rank_bytes=weights / tp,
             reserve_bytes=args.reserve_gb * GB,
+            staging_bytes=args.staging_mib * 2**20,
         )
         out[side] = hbm_account(inputs, shards)
         out[side]["layer_split"] = sharding.layer_shards if sharding else 1  # type: ignore[index]

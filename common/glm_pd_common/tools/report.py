@@ -143,4 +143,10 @@ def hbm_rows(hbm: dict | None) -> list[tuple[str, str]]:
             verdict = f"does not fit; needs {cp} >= {need}"
         rows.append((f"{side} rank HBM", budget))
         rows.append((f"{side} request KV", f"{human_bytes(h['kv_per_rank_bytes'])} per rank ({layout}): {verdict}"))
+        if h["staging_bytes"]:
+            room = "fits" if h["staging_fits"] else "does NOT fit: lower staging_mib or gpu-memory-utilization"
+            left = human_bytes(h["headroom_bytes"])
+            rows.append(
+                (f"{side} staging", f"{human_bytes(h['staging_bytes'])} of the {left} the engine leaves: {room}")
+            )
     return rows
