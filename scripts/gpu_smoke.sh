@@ -37,6 +37,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 if python3 -c "import msgspec, pytest, torch; assert torch.cuda.is_available()" 2>/dev/null; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib" tests/gpu/test_device_digests.py \
     tests/gpu/test_thread_device.py tests/gpu/test_grant_event.py tests/gpu/test_datapath.py tests/gpu/test_demo_device.py \
+    tests/gpu/test_staged_device.py \
     || exit 1
 fi
 exec timeout 420 python3 -m tests.gpu.smoke "$@"
