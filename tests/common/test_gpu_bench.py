@@ -1,5 +1,5 @@
-"""The GPU bench's pure parts (``benchmarks/gpu_bench.py``): its page pools, which UCX table names a row's path, and
-how the issue's targets read the rows. The bench itself runs on a GPU (``scripts/gpu_bench.sh``) or with
+"""The GPU bench's pure parts (``benchmarks/gpu/``): its page pools, which UCX table names a row's path, and how
+the issue's targets read the rows. The bench itself runs on a GPU (``scripts/gpu_bench.sh``) or with
 ``--memory host``; nothing of its figures is asserted."""
 
 from __future__ import annotations
@@ -7,7 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.gpu_bench import Row, chosen_path, page_tables, targets
+from benchmarks.gpu.paths import chosen_path
+from benchmarks.gpu.ranks import page_tables
+from benchmarks.gpu.rows import Row
+from benchmarks.gpu.targets import targets
+from benchmarks.gpu_bench import parse
 
 # Two agents' tables in one process's log, as UCX prints them under UCX_PROTO_INFO=y (the prefix cut short)
 LOG = """
@@ -52,10 +56,13 @@ def test_targets_judge_rates_against_the_faster_raw_rate_and_name_what_was_not_m
         Row("pull", "contiguous", op="READ", bytes=gb, seconds=0.011, extra={"load_s": 0.012}),
         Row("pull", "contiguous", True, op="READ", bytes=gb, seconds=0.011, extra={"load_s": 0.0125}),
         Row("pull", "shuffled", op="READ", bytes=gb, seconds=0.1, extra={"load_s": 0.1}),
+        Row("staged", "shuffled", op="READ", bytes=gb, seconds=0.05, batches=16, extra={"load_s": 0.05}),
         Row("streamed", "shuffled", op="READ", bytes=gb, seconds=0.01),
     ]
     got = {t.name: t for t in targets(rows, [("decode READ", "tcp", "emulation")])}
-    assert got["staged shuffled of raw"].ok is None  # no staged rows yet
+    staged = got["staged shuffled of raw"]
+    assert staged.ok is False and staged.measured == pytest.approx(0.2)
+    assert got["staged contiguous of raw"].ok is None and got["staged contiguous of raw"].detail == "not measured"
     assert got["pull contiguous of raw"].ok is True
     assert got["pull contiguous of raw"].measured == pytest.approx(1 / 1.1)
     assert got["push contiguous of raw"].ok is None
@@ -65,3 +72,10 @@ def test_targets_judge_rates_against_the_faster_raw_rate_and_name_what_was_not_m
     exposure = got["streamed exposure of pull"]
     assert exposure.ok is True and exposure.measured == pytest.approx(0.1)
     assert got["decode READ: reported path is UCX's"].ok is False
+
+
+def test_staging_options_default_to_64_mib_slots_in_512_mib_and_must_hold_a_pair() -> None:
+    args = parse(["--memory", "host"])
+    assert (args.slot_mib, args.staging_mib) == (64, 512)
+    with pytest.raises(SystemExit):
+        parse(["--slot-mib", "64", "--staging-mib", "100"])
