@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPU bench of issue 28 (benchmarks/gpu_bench.py) on a machine with CUDA and torch, the missing wheels installed
+# as scripts/gpu_wheels.sh says. One command, the whole run within 360 s; prints a table and writes JSON (also to
+# $OUT/gpu_bench.json when OUT is set).
+#   scripts/gpu_bench.sh [--tokens N] [--repeats N] [--json PATH]   run (any option of the bench passes through)
+#   scripts/gpu_bench.sh --fetch-wheels                             where pip reaches PyPI: fetch those wheels
+# UCX's environment passes through and is recorded: e.g. UCX_RMA_PPLN_ENABLE=y lets cuda_ipc serve READs between
+# GPUs without NVLink (FACTS.md §9). Exit status: the bench's (0 ran, 77 skipped: no CUDA, torch or a package;
+# 124 timeout).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/gpu_wheels.sh "$@"
+exec timeout 360 python3 -m benchmarks.gpu_bench "$@"
