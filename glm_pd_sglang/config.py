@@ -15,6 +15,7 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.wire.trust import MAX_CONNECTIONS
 from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
 from glm_pd_common.transport.base import BACKENDS
+from glm_pd_common.transport.staging import StageMode, settings_problem
 
 PREFIX = "SGLANG_GLM_PD_"
 
@@ -33,6 +34,9 @@ class GlmPdSglangConfig:
     insecure: bool = False  # run SGLang's disaggregation sockets unauthenticated off loopback
     decode_peers: int = 1024  # prefill: decode ranks registered at once (the least recently used idle one makes way)
     connections: int = MAX_CONNECTIONS  # connections a rank's authenticated socket holds (past it, handshakes fail)
+    staging: StageMode = "auto"  # auto (GPU caches, short runs) | always | never: pushes through staging slots
+    staging_mib: int = 256  # the staging buffer per rank, allocated at start-up where the rank may stage
+    staging_slot_kib: int = 32768  # one slot: what one descriptor moves (a multiple of 4); pairs fill the buffer
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GlmPdSglangConfig:
@@ -52,6 +56,8 @@ class GlmPdSglangConfig:
         for name in ("decode_peers", "connections"):
             if getattr(config, name) < 1:
                 raise ConfigError(f"{PREFIX}{name.upper()} must be at least 1, got {getattr(config, name)}")
+        if problem := settings_problem(config.staging, config.staging_mib, config.staging_slot_kib):
+            raise ConfigError(f"{PREFIX}STAGING, {PREFIX}STAGING_MIB, {PREFIX}STAGING_SLOT_KIB: {problem}")
         if config.timeout_s <= 0:
             raise ConfigError(f"{PREFIX}TIMEOUT_S must be positive, got {config.timeout_s}")
         if config.indexer_scale_format and config.indexer_scale_format not in INDEXER_SCALE_FORMATS:

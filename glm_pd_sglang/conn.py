@@ -51,6 +51,7 @@ from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.devices import thread_device
 from glm_pd_common.transport.factory import create_transport
 from glm_pd_common.transport.memory import reader_for
+from glm_pd_common.transport.staging import torch_staging
 from glm_pd_sglang import wire
 from glm_pd_sglang.admission import PrefillAdmission
 from glm_pd_sglang.bootstrap_auth import authorization
@@ -60,6 +61,7 @@ from glm_pd_sglang.kvargs import rank_caches
 from glm_pd_sglang.model import model_geometry, scale_format
 from glm_pd_sglang.parallel import AttentionRanks, check_routing, refuse_unsupported
 from glm_pd_sglang.registrations import Registrations, agent_name
+from glm_pd_sglang.staged import Lending, Mailbox, StagedLanding, StagedPush
 from glm_pd_sglang.transfer import DecodePeer, PrefillTransfers
 from glm_pd_sglang.verify import RoomVerification
 
@@ -70,7 +72,7 @@ TRANSFER_LANES = 8  # transfer threads per prefill rank; more decode peers than 
 REGISTER_TRIES = 5  # a prefill rank's registration: the bootstrap server may still be starting
 
 
-class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, CommonKVManager):
+class GlmPdKVManager(PrefillAdmission, PrefillTransfers, StagedPush, StagedLanding, RoomVerification, CommonKVManager):
     """One rank's glm-pd agent: prefill pushes planned runs; decode announces its caches and verifies."""
 
     endpoint: Endpoint
@@ -112,6 +114,10 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
         self._registrations = Registrations(self.glm_config.decode_peers)  # prefill: accepted decode ranks
         self._session = secrets.token_bytes(32)  # decode: this process's key for its registrations' proofs
         self._transport_lock = threading.RLock()  # the transport is swapped on memory release / resume
+        self._slot_mail = Mailbox()  # prefill: decode's answers to its staged pushes
+        self._room_pages: dict[int, np.ndarray] = {}  # decode: each room's pages, where staged slots may land
+        self._lent: dict[tuple[int, int], Lending] = {}  # decode: staging pairs lent per (room, prefill rank)
+        self._resting: list[tuple[float, int]] = []  # decode: pairs of rooms cleared mid-push, and until when
         self._released = False
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if self.defer_decode_allocation:
@@ -245,11 +251,22 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
             ),
         )
         transport.register([*self.caches.regions, *self.caches.aux])
+        staging = torch_staging(
+            torch,
+            transport,
+            self.caches.regions,
+            size_bytes=self.glm_config.staging_mib << 20,
+            slot_bytes=self.glm_config.staging_slot_kib << 10,
+            mode=self.glm_config.staging,
+        )
+        with self._lock:  # pairs lent from the buffer this replaces are gone with it
+            self._lent.clear()
+            self._resting.clear()
         shape = PeerShape(self.caches.page_tokens, self.ranks.num_ranks, rank, sharding=sharding)
         memory = reader_for((r.mem_kind for r in self.caches.regions), torch)
         on_device = thread_device(self.caches.regions, torch)
         self.endpoint = Endpoint(
-            name, self.caches.spec, self.caches.regions, transport, shape, memory, on_device, self.trust
+            name, self.caches.spec, self.caches.regions, transport, shape, memory, on_device, self.trust, staging
         )
         self.transport = transport
         logger.info("glm-pd %s rank %s: %s", mode, self.attn_tp_rank, transport.info().data_path)
@@ -285,6 +302,7 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
     def leftovers(self) -> dict[str, int]:
         """Per-room state still held (every map must be empty once every room is cleared)."""
         names = ["request_status", "_expected_pages", "_sent_pages", "_digests", "_pending_failures", "_prefill_aborts"]
+        names += ["_room_pages", "_lent", "_slot_mail"]
         names += ["transfer_infos", "req_to_decode_prefix_len"] if hasattr(self, "transfer_infos") else []
         held = {n: len(getattr(self, n)) for n in names}
         held["_staging_outstanding"] = sum(1 for v in self._staging_outstanding.values() if v)
@@ -389,6 +407,12 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
             logger.error("glm-pd: %s", refused.reason)
             self.refusals[refused.prefill_rank] = refused.reason
             return
+        if tag == wire.TAG_SLOT_ASK:
+            self._on_slot_ask(wire.parse(msg, wire.SlotAsk))
+            return
+        if tag == wire.TAG_SLOT_LANDED:
+            self._on_slot_landed(wire.parse(msg, wire.SlotLanded))
+            return
         if tag == wire.TAG_DIGESTS:  # one per prefill rank this rank reads (several under layer split)
             digests = wire.parse(msg, wire.Digests)
             with self._lock:  # against the receiver's clear: a room's digests never outlive it
@@ -419,6 +443,10 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, RoomVerification, Commo
                 self._on_register(wire.parse(msg, wire.Registration))
         elif tag == wire.TAG_ROOM:
             self._on_room(wire.parse(msg, wire.Room))
+        elif tag == wire.TAG_SLOT_LENT:
+            self._slot_mail.put(wire.parse(msg, wire.SlotLent))
+        elif tag == wire.TAG_SLOT_FREE:
+            self._slot_mail.put(wire.parse(msg, wire.SlotFree))
         else:
             logger.warning("glm-pd prefill: dropping a message with unknown first frame %r", tag[:32])
 

@@ -149,14 +149,18 @@ class GlmPdKVReceiver(CommonKVReceiver):
             self.ensure_abort_notified()
             return
         self._pages = pages
+        with mgr._lock:
+            mgr._room_pages[self.bootstrap_room] = pages  # where staged slots of this room may land
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination, device_kv_indices)
 
     def clear(self) -> None:
-        """SGLang's cleanup, and the room's digests: a room failed on another rank is never verified here."""
+        """SGLang's cleanup, the room's digests (a room failed on another rank is never verified here) and its
+        staging slots."""
         super().clear()
         mgr: GlmPdKVManager = self.kv_mgr
         with mgr._lock:
             mgr._digests.pop(self.bootstrap_room, None)
+        mgr.release_room_slots(self.bootstrap_room)
 
     def poll(self) -> int:
         """SGLang's state, but with checksums on, Success only once glm-pd's verifier thread found the landed

@@ -93,6 +93,7 @@ class PrefillTransfers:
         def _prefill_unique_rank(self) -> int: ...
         def _add_stat(self, key: str, value: float) -> None: ...
         def _region_digests(self, pages: np.ndarray) -> list[tuple[str, int]]: ...
+        def _push_staged(self, room: int, t: Target, theirs: Any, plan: TransferPlan) -> bool: ...
 
     def add_transfer_request(
         self,
@@ -243,6 +244,8 @@ class PrefillTransfers:
         )
         if self.faults is not None:
             self.faults.at(str(room), "posting")
+        if self._push_staged(room, t, peer.view.staging, plan):
+            return
         xfer = self.transport.post_plan(t.agent_name, plan, "WRITE")
         self._wait(xfer)
         self._count(plan, xfer)

@@ -11,7 +11,7 @@ from glm_pd_common.errors import ConfigError
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.layout.formats import INDEXER_SCALE_FORMATS
 from glm_pd_common.transport.base import BACKENDS
-from glm_pd_common.transport.staging import STAGE_MODES, StageMode
+from glm_pd_common.transport.staging import StageMode, settings_problem
 
 HOST_ENV = "GLM_PD_SIDE_CHANNEL_HOST"  # the node's own address, set on each node: overrides side_channel_host
 
@@ -77,17 +77,8 @@ class GlmPdVllmConfig:
             )
         if config.lease_s <= 0 or config.timeout_s <= 0:
             raise ConfigError("kv_connector_extra_config lease_s and timeout_s must be positive")
-        if config.staging not in STAGE_MODES:
-            raise ConfigError(
-                f"kv_connector_extra_config['staging'] must be one of {STAGE_MODES}, got {config.staging!r}"
-            )
-        if config.staging != "never" and not (
-            0 < 2 * config.staging_slot_kib <= config.staging_mib * 1024 and config.staging_slot_kib % 4 == 0
-        ):
-            raise ConfigError(
-                f"kv_connector_extra_config staging_mib ({config.staging_mib}) must hold two slots of "
-                f"staging_slot_kib ({config.staging_slot_kib}, a positive multiple of 4)"
-            )
+        if problem := settings_problem(config.staging, config.staging_mib, config.staging_slot_kib):
+            raise ConfigError(f"kv_connector_extra_config staging, staging_mib, staging_slot_kib: {problem}")
         if not config.idle_wait_s >= 0:
             raise ConfigError(f"kv_connector_extra_config['idle_wait_s'] must be 0 or more, got {config.idle_wait_s}")
         if not 0 < config.side_channel_port < 65536:

@@ -36,6 +36,10 @@ MESSAGES: dict[bytes, type[msgspec.Struct]] = {
     wire.TAG_ROOM: wire.Room,
     wire.TAG_REFUSED: wire.Refused,
     wire.TAG_DIGESTS: wire.Digests,
+    wire.TAG_SLOT_ASK: wire.SlotAsk,
+    wire.TAG_SLOT_LENT: wire.SlotLent,
+    wire.TAG_SLOT_LANDED: wire.SlotLanded,
+    wire.TAG_SLOT_FREE: wire.SlotFree,
 }
 
 ints = st.one_of(
@@ -131,6 +135,10 @@ def _samples() -> dict[bytes, msgspec.Struct]:
         wire.TAG_ROOM: wire.Room(7, "agent", "10.0.0.2", 17001, [1, 2], [1, 2], 3, 64, 1, False),
         wire.TAG_REFUSED: wire.Refused(0, "no"),
         wire.TAG_DIGESTS: wire.Digests(7, ["main[layer 0]"], [UINT64_MAX]),
+        wire.TAG_SLOT_ASK: wire.SlotAsk(7, 1, "10.0.0.3", 17002),
+        wire.TAG_SLOT_LENT: wire.SlotLent(7, "agent", [0, 1 << 20], 1 << 20),
+        wire.TAG_SLOT_LANDED: wire.SlotLanded(7, 1, 3, True, [1 << 40, (1 << 40) + 4096], [4096, 64]),
+        wire.TAG_SLOT_FREE: wire.SlotFree(7, "agent", 3, "refused"),
     }
 
 

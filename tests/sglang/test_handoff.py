@@ -18,6 +18,10 @@ def suffix_pages(req: dict) -> int:
     return -(-(req["tokens"] - req.get("prefix", 0)) // PAGE)
 
 
+# both sides through staging slots of 64 KiB (tens per request, cutting runs mid-page); on host memory ``auto``
+# pushes directly, so the staged cases say ``always``
+STAGED = {"SGLANG_GLM_PD_STAGING": "always", "SGLANG_GLM_PD_STAGING_MIB": "1", "SGLANG_GLM_PD_STAGING_SLOT_KIB": "64"}
+
 REQUESTS = [
     {"room": 11, "tokens": 40},  # shorter than a page
     {"room": 12, "tokens": 700},
@@ -26,15 +30,17 @@ REQUESTS = [
 ]
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
-def test_handoff_is_byte_exact(pair, transport: str) -> None:
-    prefill, decode = pair.run(REQUESTS, env={"SGLANG_GLM_PD_TRANSPORT": transport})
+def test_handoff_is_byte_exact(pair, transport: str, staged: bool) -> None:
+    prefill, decode = pair.run(REQUESTS, env={"SGLANG_GLM_PD_TRANSPORT": transport, **(STAGED if staged else {})})
     assert_exact(prefill, decode)
     assert_clean(prefill, decode)
     pages = sum(suffix_pages(r) for r in REQUESTS)
     stats = prefill["stats"][0]
     assert stats["main_bytes"] == pages * MAIN_LAYERS * PAGE * 656
     assert stats["indexer_bytes"] == pages * INDEXER_LAYERS * PAGE * 132
+    assert stats.get("staged_bytes", 0) == (stats["main_bytes"] + stats["indexer_bytes"] if staged else 0)
     walks = {}
     for room, status in prefill["transitions"][0]:
         walks.setdefault(room, []).append(status)
@@ -48,16 +54,20 @@ def test_handoff_is_byte_exact(pair, transport: str) -> None:
     )
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_replicated_tp_path(pair, prefill_tp: int, decode_tp: int) -> None:
+def test_replicated_tp_path(pair, prefill_tp: int, decode_tp: int, staged: bool) -> None:
     """Each decode rank gets one whole copy from its one source rank; other prefill ranks are dummies."""
     requests = [{"room": 21, "tokens": 500, "prefix": 64}, {"room": 22, "tokens": 900}]
-    prefill, decode = pair.run(requests, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    prefill, decode = pair.run(requests, prefill_tp=prefill_tp, decode_tp=decode_tp, env=STAGED if staged else None)
     assert_exact(prefill, decode, prefill_tp, decode_tp)
     assert_clean(prefill, decode)
     moved = [s.get("main_bytes", 0) for s in prefill["stats"]]
     expected = sum(suffix_pages(r) for r in requests) * MAIN_LAYERS * PAGE * 656
     assert moved == ([expected * decode_tp] if prefill_tp == 1 else [expected, 0])
+    staged_bytes = [s.get("staged_bytes", 0) for s in prefill["stats"]]
+    indexer = [s.get("indexer_bytes", 0) for s in prefill["stats"]]
+    assert staged_bytes == ([m + i for m, i in zip(moved, indexer, strict=True)] if staged else [0] * prefill_tp)
     # every rank's regions are registered on a device other than 0, its own (issue 15 item 2: descriptors built
     # with device 0 fail on such ranks)
     assert prefill["device_ids"] == [[1 + r] for r in range(prefill_tp)]

@@ -42,8 +42,9 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     hbm.add_argument(
         "--staging-mib",
         type=int,
-        help="glm-pd's staging buffer per rank (vLLM's staging_mib, default 256; SGLang's backend does not stage: 0); "
-        "it must fit the headroom the engine leaves",
+        default=256,
+        help="glm-pd's staging buffer per rank (vLLM staging_mib, SGLANG_GLM_PD_STAGING_MIB; 256; 0: none); it must "
+        "fit the headroom the engine leaves",
     )
     cp = p.add_argument_group("context parallelism: how each side's ranks shard the caches (default: replicated)")
     cp.add_argument("--prefill-cp", type=int, default=1, help="prefill's token shards (vLLM -dcp on prefill)")
@@ -123,13 +124,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def staging_mib(args: argparse.Namespace) -> int:
-    """The staging buffer the engine's adapter allocates per rank unless told otherwise."""
-    if args.staging_mib is not None:
-        return int(args.staging_mib)
-    return 256 if args.engine == "vllm" else 0
-
-
 def hbm_sides(args: argparse.Namespace, spec: CacheSpec, prefill_sharding: Sharding) -> dict[str, object] | None:
     """The HBM account of a prefill and a decode rank (None when the checkpoint size is unknown). Under a
     layer split the busiest prefill rank holds every token of its share of the layers."""
@@ -152,7 +146,7 @@ def hbm_sides(args: argparse.Namespace, spec: CacheSpec, prefill_sharding: Shard
             utilization=args.gpu_memory_utilization,
             weights_per_rank_bytes=weights / tp,
             reserve_bytes=args.reserve_gb * GB,
-            staging_bytes=staging_mib(args) * 2**20,
+            staging_bytes=args.staging_mib * 2**20,
         )
         out[side] = hbm_account(inputs, shards)
         out[side]["layer_split"] = sharding.layer_shards if sharding else 1  # type: ignore[index]

@@ -205,6 +205,15 @@ class Staging:
         return self.span.base_addr + self.slot_offset(pair, k)
 
 
+def settings_problem(mode: str, size_mib: int, slot_kib: int) -> str:
+    """What is wrong with an engine's staging settings (mode, buffer MiB, slot KiB), or ""."""
+    if mode not in STAGE_MODES:
+        return f"staging mode must be one of {STAGE_MODES}, got {mode!r}"
+    if mode != "never" and not (0 < 2 * slot_kib <= size_mib * 1024 and slot_kib % 4 == 0):
+        return f"a staging buffer of {size_mib} MiB must hold two slots of {slot_kib} KiB (a positive multiple of 4)"
+    return ""
+
+
 def torch_staging(
     torch: Any, transport: Transport, regions: Sequence[Region], *, size_bytes: int, slot_bytes: int, mode: StageMode
 ) -> Staging | None:
