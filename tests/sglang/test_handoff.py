@@ -7,7 +7,7 @@ and tests/support/sglang_prefill.py (the GPU's timing, decode's radix tree and b
 
 import pytest
 
-from tests.support.sglang_checks import FAILED, SUCCESS, assert_clean, assert_exact
+from tests.support.sglang_checks import FAILED, STAGED, SUCCESS, assert_clean, assert_exact
 
 PAGE = 64
 INDEXER_LAYERS = 4  # tiny model: full layers 0-2 plus the MTP layer
@@ -17,10 +17,6 @@ MAIN_LAYERS = 7
 def suffix_pages(req: dict) -> int:
     return -(-(req["tokens"] - req.get("prefix", 0)) // PAGE)
 
-
-# both sides through staging slots of 64 KiB (tens per request, cutting runs mid-page); on host memory ``auto``
-# pushes directly, so the staged cases say ``always``
-STAGED = {"SGLANG_GLM_PD_STAGING": "always", "SGLANG_GLM_PD_STAGING_MIB": "1", "SGLANG_GLM_PD_STAGING_SLOT_KIB": "64"}
 
 REQUESTS = [
     {"room": 11, "tokens": 40},  # shorter than a page

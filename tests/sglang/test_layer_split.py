@@ -9,7 +9,15 @@ from dataclasses import replace
 import pytest
 
 from glm_pd_sglang.parallel import AttentionRanks
-from tests.support.sglang_checks import FAILED, GEOMETRY, SUCCESS, assert_clean, assert_exact, expected_sources
+from tests.support.sglang_checks import (
+    FAILED,
+    GEOMETRY,
+    STAGED,
+    SUCCESS,
+    assert_clean,
+    assert_exact,
+    expected_sources,
+)
 
 PAGE = 64
 VERIFY = {"SGLANG_GLM_PD_VERIFY_CHECKSUMS": "1"}  # decode merges the digests of every prefill rank it reads
@@ -37,8 +45,24 @@ def suffix_pages(req: dict) -> int:
 def test_every_decode_rank_gets_every_layer(
     pair, prefill_tp: int, prefill_cp: int, layer_split: bool, decode_tp: int
 ) -> None:
+    every_layer_lands(pair, prefill_tp, prefill_cp, layer_split, decode_tp, VERIFY)
+
+
+@pytest.mark.parametrize(("prefill_cp", "decode_tp"), [(2, 2), (4, 2)])
+def test_layer_shards_staged_each_land_through_a_pair_of_their_own(pair, prefill_cp: int, decode_tp: int) -> None:
+    """Several prefill ranks push to one decode rank at once: each is lent its own pair of slots."""
+    staged = {**VERIFY, **STAGED}
+    prefill = every_layer_lands(pair, 1, prefill_cp, True, decode_tp, staged)
+    for stats in prefill["stats"]:
+        assert stats.get("staged_bytes", 0) == stats.get("main_bytes", 0) + stats.get("indexer_bytes", 0)
+    assert sum(s.get("staged_bytes", 0) for s in prefill["stats"]) > 0
+
+
+def every_layer_lands(pair, prefill_tp: int, prefill_cp: int, layer_split: bool, decode_tp: int, env: dict) -> dict:
+    """Run the requests; every decode rank must hold every layer, each byte from the rank the pairing picks.
+    Returns prefill's report."""
     prefill, decode = pair.run(
-        REQUESTS, prefill_tp=prefill_tp, prefill_cp=prefill_cp, layer_split=layer_split, decode_tp=decode_tp, env=VERIFY
+        REQUESTS, prefill_tp=prefill_tp, prefill_cp=prefill_cp, layer_split=layer_split, decode_tp=decode_tp, env=env
     )
     assert_exact(prefill, decode, prefill_tp, decode_tp, prefill_cp=prefill_cp, layer_split=layer_split)
     assert_clean(prefill, decode)
@@ -54,6 +78,7 @@ def test_every_decode_rank_gets_every_layer(
         moved = [s.get(f"{kind}_bytes", 0) for s in prefill["stats"]]
         assert moved == want, kind
         assert sum(moved) == pages * len(layers) * PAGE * row * decode_tp, kind
+    return prefill
 
 
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])

@@ -10,6 +10,10 @@ from tests.support.tiny_glm import TINY_GLM
 SUCCESS, FAILED = 4, 0  # KVPoll.Success, KVPoll.Failed
 GEOMETRY = ModelGeometry.from_config(TINY_GLM)
 
+# both sides through staging slots of 64 KiB (tens per request, cutting runs mid-page; 8 pairs a rank); on host
+# memory ``auto`` pushes directly, so staged cases say ``always``
+STAGED = {"SGLANG_GLM_PD_STAGING": "always", "SGLANG_GLM_PD_STAGING_MIB": "1", "SGLANG_GLM_PD_STAGING_SLOT_KIB": "64"}
+
 
 def assert_clean(prefill: dict | None, decode: dict) -> None:
     """Nothing is held once every room ended: no per-room state on either side, every page back."""
