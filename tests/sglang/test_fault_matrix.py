@@ -8,7 +8,7 @@ The caches are SGLang's own DSA pools on the CPU; the test doubles are listed in
 
 import pytest
 
-from tests.support.sglang_checks import FAILED, SUCCESS, assert_clean, assert_exact
+from tests.support.sglang_checks import FAILED, STAGED, SUCCESS, assert_clean, assert_exact
 
 TIMEOUT_S = 3  # glm-pd's transfer timeout here, so a write that never completes fails in seconds
 FAULTS = [  # (request, the reason decode must see)
@@ -25,16 +25,20 @@ FAULTS = [  # (request, the reason decode must see)
 CLEAN = [{"tokens": 1200, "prefix": 256}, {"tokens": 300}, {"tokens": 2000, "chunk_pages": 9}]
 
 
-@pytest.fixture(scope="module")
-def run(module_pair):
+@pytest.fixture(scope="module", params=[False, True], ids=["direct", "staged"])
+def run(module_pair, request):
+    """The whole run once pushed directly, once through staging slots (a transport fault then hits a slot's
+    write, a hang its wait, and a failed room's lent pair must come back)."""
     requests, room = [], 700
     for i, (faulted, _) in enumerate(FAULTS):
         requests += [{"room": room, **faulted}, {"room": room + 1, **CLEAN[i % len(CLEAN)]}]
         room += 2
     requests.append({"room": 700 + 2 * len(FAULTS) - 2, "tokens": 600})  # the last failed room id, retried
     env = {"SGLANG_GLM_PD_VERIFY_CHECKSUMS": "1", "SGLANG_GLM_PD_TIMEOUT_S": str(TIMEOUT_S)}
+    if request.param:
+        env.update(STAGED)
     prefill, decode = module_pair.run(requests, env=env, pool_pages=96)
-    return requests, prefill, decode
+    return request.param, prefill, decode
 
 
 @pytest.mark.parametrize("index", range(len(FAULTS)), ids=[f"{f.get('fault') or 'prefill_' + f['prefill_fault']}"
@@ -52,7 +56,8 @@ def test_fault_fails_its_room_and_the_next_room_works(run, index: int) -> None:
 
 
 def test_a_failed_room_id_used_again_works_and_nothing_is_left(run) -> None:
-    _, prefill, decode = run
+    staged, prefill, decode = run
     assert decode["results"][-1]["states"] == [SUCCESS]
+    assert (sum(s.get("staged_bytes", 0) for s in prefill["stats"]) > 0) == staged
     assert_exact({"results": prefill["results"][-1:]}, {"results": decode["results"][-1:]})
     assert_clean(prefill, decode)
