@@ -143,10 +143,10 @@ class StagedPush:
 
     def _slot_free(self, room: int, agent: str, k: int, timeout_s: float) -> None:
         free = self._slot_mail.take(room, agent, timeout_s)
+        if isinstance(free, wire.SlotFree) and free.error:
+            raise TransferFailed(f"decode {agent} refused staged slot {free.slot} of room {room}: {free.error}")
         if not isinstance(free, wire.SlotFree) or free.slot != k:
             raise ProtocolError(f"decode {agent} answered {type(free).__name__} where slot {k} was to be freed")
-        if free.error:
-            raise TransferFailed(f"decode {agent} refused staged slot {k}: {free.error}")
 
 
 @dataclass
@@ -226,12 +226,16 @@ class StagedLanding:
 
     def release_room_slots(self, room: int) -> None:
         """The room is done here: its pages are forgotten, and a pair still lent for it rests before it is lent
-        again (its push may have a write in flight)."""
+        again (its push may have a write in flight); that push is told at once, so it stops instead of waiting
+        for slots nobody will free."""
         with self._lock:
             self._room_pages.pop(room, None)
             rest_until = time.monotonic() + self.glm_config.timeout_s
-            for key in [k for k in self._lent if k[0] == room]:
-                self._resting.append((rest_until, self._lent.pop(key).pair))
+            stopped = [self._lent.pop(key) for key in [k for k in self._lent if k[0] == room]]
+            self._resting += [(rest_until, lending.pair) for lending in stopped]
+        for lending in stopped:
+            free = wire.SlotFree(room, self.transport.agent_name, 0, "decode ended the room during the push")
+            self._send_multipart_locked(lending.reply_to, wire.frames(wire.TAG_SLOT_FREE, free))
 
     def _reclaim_rested(self, staging: Staging | None) -> None:
         """Pairs whose rest is over go back to the pool (under ``_lock``)."""

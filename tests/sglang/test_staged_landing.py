@@ -103,6 +103,11 @@ def test_a_pair_of_a_room_cleared_mid_push_rests_before_it_is_lent_again(small_s
     resting._room_pages[1] = resting._room_pages[2] = np.array([1])
     assert resting.ask(1).offsets
     resting.release_room_slots(1)
+    stop = msgspec.msgpack.decode(resting.sent[-1][1][1], type=wire.SlotFree)  # the push is told to stop
+    assert (stop.room, resting.sent[-1][0]) == (
+        1,
+        f"tcp://{PREFILL[0]}:{PREFILL[1]}",
+    ) and "ended the room" in stop.error
     assert resting.ask(2).offsets == [] and resting.endpoint.staging.pairs.lent() == 1
     rested = Landing(small_spec, timeout_s=0.0)  # its rest is over at once
     rested._room_pages[1] = rested._room_pages[2] = np.array([1])
