@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 
 import numpy as np
 
@@ -35,8 +34,9 @@ from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.decode.feeds import Feed
 from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
 from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code
+from glm_pd_common.handoff.decode.reads import Reads, count
 from glm_pd_common.handoff.decode.renewals import Renewals
-from glm_pd_common.handoff.decode.staged import read_staged, slot_bytes_for
+from glm_pd_common.handoff.decode.staged import slot_bytes_for
 from glm_pd_common.handoff.decode.states import Handoff, HandoffState
 from glm_pd_common.handoff.faults import FaultPoint, HandoffFaults
 from glm_pd_common.handoff.lanes import LanePool
@@ -51,7 +51,6 @@ from glm_pd_common.layout.pages import block_pages, suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.layout.tp import SideLayout, Source, release_set, sources
-from glm_pd_common.transport.base import Transfer, Transport
 from glm_pd_common.transport.digests import check_landed
 
 __all__ = ["LANES", "DecodeService", "LoadJob", "LoadResult", "RemotePrefill"]  # the jobs live in ``loads``
@@ -60,26 +59,6 @@ logger = logging.getLogger(__name__)
 
 
 LANES = 8  # service threads per decode rank; more prefill engines than this share lanes
-
-
-class _Batches(list[Transfer]):
-    """Batches a load posted: each is released when the ``with`` block ends, complete or not (a failed load
-    leaves none posted)."""
-
-    def __init__(self, transport: Transport) -> None:
-        super().__init__()
-        self.transport = transport
-
-    def __enter__(self) -> _Batches:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for xfer in self:
-            self.transport.release(xfer)
-
-    def wait(self, timeout_s: float) -> None:
-        for xfer in self:
-            self.transport.wait(xfer, timeout_s)
 
 
 # Failures of one request over a link that worked (a client gone, prefill ending or refusing that request): the
@@ -107,6 +86,7 @@ class DecodeService:
         self._links = PrefillLinks(local, timeout_s, self._progress)
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._renewals = Renewals(lanes, self._links, local.shape.tp_rank, self._layouts)
+        self._reads = Reads(local, self._links, timeout_s, self._fault)
         self._lock = threading.Lock()
         self._cancelled = RecentIds()  # under ``_lock``: cancelled request ids, for loads that have not looked yet
         # a prefill engine (rank 0's address) keeps its lane; renewals go out before each wait for a load, so
@@ -204,7 +184,7 @@ class DecodeService:
                 claims = [self._claim(peer, plan, job, slot) for (peer, plan), slot in zip(pieces, slots, strict=True)]
                 mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
-                self._pull(pieces, slots, result, job)
+                self._reads.pull(pieces, slots, result, job)
                 moving = [plan for _, plan in pieces if plan.num_runs]
                 if self.faults is not None and moving:
                     self.faults.landed(job.request_id, *moved_byte(moving[-1]))
@@ -313,7 +293,7 @@ class DecodeService:
         handoff.advance(HandoffState.WAITING_FOR_INPUT)
         pieces: list[tuple[PrefillLink, TransferPlan, protocol.Claimed]] = []
         t0 = time.perf_counter()
-        posted = self._posted()
+        posted = self._reads.posted()
 
         def read(i: int) -> None:
             span = feeds[i].next_read(align, job.num_tokens)
@@ -365,7 +345,7 @@ class DecodeService:
                 pieces.append((peers[i], plan, answer))
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
-        self._count(result, posted, [(peer, plan) for peer, plan, _ in pieces])
+        count(result, posted, [(peer, plan) for peer, plan, _ in pieces])
         for peer, plan, claim in pieces:
             if claim.digests is not None:
                 self._verify(peer, plan, claim.digests, feeds[0].lease_id)
@@ -401,72 +381,6 @@ class DecodeService:
             verify=self.verify_digests,
             slot_bytes=slot_bytes,
         )
-
-    def _pull(
-        self, pieces: list[tuple[PrefillLink, TransferPlan]], slots: list[int], result: LoadResult, job: LoadJob
-    ) -> None:
-        """Post every direct source's runs, then wait; read the staged ones slot by slot (``staged``). Two batches
-        per direct source, the first layer's and the rest: each batch costs a post and a completion to poll, and
-        nothing on decode uses a layer before the whole load is in (79 per-layer batches reached 78 % of one
-        batch's rate, ``benchmarks/posting_bench.py``); the first batch stays apart, so a fault injected
-        ``mid_transfer`` acts between two batches (staged: between two slots)."""
-        t0 = time.perf_counter()
-        staged = 0
-        with self._posted() as posted:
-            for (peer, plan), slot_bytes in zip(pieces, slots, strict=True):
-                if slot_bytes:
-                    assert self.local.staging is not None  # slot_bytes_for staged only with a buffer here
-                    first = not posted and not staged
-                    staged += read_staged(
-                        self._links,
-                        peer,
-                        plan,
-                        job.lease_id,
-                        slot_bytes,
-                        self.local.staging,
-                        self.local.transport,
-                        self.timeout_s,
-                        partial(self._slot_fault, job, first),
-                    )
-                    result.staged_bytes += plan.num_bytes
-                    for kind, n in plan.bytes_by_kind().items():
-                        result.bytes_by_kind[kind] = result.bytes_by_kind.get(kind, 0) + n
-                    continue
-                layers = [entries for _, entries in plan.layers() if any(e.num_runs for e in entries)]
-                for entries in (layers[0] if layers else [], [e for rest in layers[1:] for e in rest]):
-                    if not entries:
-                        continue  # this rank holds none of the tokens that source has of these layers
-                    if len(posted) < 2:  # before the load's first batch, and between its first two
-                        self._fault(job, "mid_transfer" if posted else "posting")
-                    posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
-            posted.wait(self.timeout_s)
-        result.seconds = time.perf_counter() - t0
-        self._count(result, posted, pieces, staged)
-
-    def _slot_fault(self, job: LoadJob, first: bool, k: int) -> None:
-        """A staged load's fault points: before its first slot and between its first two, as a direct one's."""
-        if first and k < 2:
-            self._fault(job, "mid_transfer" if k else "posting")
-
-    def _posted(self) -> _Batches:
-        return _Batches(self.local.transport)
-
-    @staticmethod
-    def _count(
-        result: LoadResult, posted: list[Transfer], pieces: list[tuple[PrefillLink, TransferPlan]], slots: int = 0
-    ) -> None:
-        # What moved is what the transport reported finished, not what the plan says it would move (a staged
-        # plan's bytes count once its every slot was read and scattered).
-        moved = {"main": 0, "indexer": 0, **result.bytes_by_kind}
-        for xfer in posted:
-            for kind, n in xfer.completed_bytes_by_kind.items():
-                moved[kind] = moved.get(kind, 0) + n
-        result.bytes_by_kind = moved
-        runs = {"main": 0, "indexer": 0}
-        for _, plan in pieces:
-            for kind, n in plan.runs_by_kind().items():
-                runs[kind] += n
-        result.runs, result.runs_by_kind, result.batches = sum(runs.values()), runs, len(posted) + slots
 
     def _verify(self, peer: PrefillLink, plan: TransferPlan, digests: list[int], request_id: str) -> None:
         def page_digests_of(regions: list[int]) -> dict[int, list[int]]:
