@@ -25,6 +25,7 @@ Version history:
   in slots of ``slot_bytes``, and decode then asks for each slot (``gather``) and reads it from where prefill
   says it gathered it (``gathered``). The transport metadata a hello carries names its node, so a rank that
   moves GPU memory by cuda_ipc (no RDMA) refuses a peer on another node.
+  Digests are ``layout.digest_words``' keyed word sums (computable on a GPU), no longer xxh3-64.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
