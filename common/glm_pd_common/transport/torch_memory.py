@@ -52,26 +52,36 @@ class TorchMemory:
     def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
         torch = self._torch
         device = torch.device("cuda", region.device_id) if region.mem_kind == "VRAM" else torch.device("cpu")
+        packed = pack_runs(offsets, lengths, self.scratch_bytes)
+        row = row_bytes(packed.offsets, packed.lengths, 0)  # divides every slot too: its pieces add up to it
+        slot_rows = self.scratch_bytes // row
+        # the rows' index goes to the device once per group of slots (a host-to-device copy waits for the stream),
+        # a group's index at most the scratch's size (or one slot's, where rows are under 8 bytes)
+        group = max(1, self.scratch_bytes // 8 // slot_rows)
+        sums: list[Any] = []
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
             scratch = self._scratch(device)
             space = self._region_bytes(region, device)
-            packed = pack_runs(offsets, lengths, self.scratch_bytes)
-            sums = []
-            for k in range(packed.num_slots):
-                pieces = packed.slot(k)
-                sums.extend(self._slot_sums(scratch, space, packed.offsets[pieces], packed.lengths[pieces]))
+            rows = space[: space.numel() // row * row].view(-1, row)
+            for first in range(0, packed.num_slots, group):
+                last = min(first + group, packed.num_slots)
+                pieces = slice(int(packed.slot_starts[first]), int(packed.slot_starts[last]))
+                index = torch.from_numpy(row_index(packed.offsets[pieces], packed.lengths[pieces], 0, row))
+                index = index.to(device)
+                for k in range(first, last):
+                    at = (k - first) * slot_rows
+                    num_rows = int(packed.lengths[packed.slot(k)].sum()) // row
+                    torch.index_select(
+                        rows, 0, index[at : at + num_rows], out=scratch.slot[: num_rows * row].view(-1, row)
+                    )
+                    sums.extend(self._block_sums(scratch, num_rows * row))
             # the slots are whole blocks but the last, so these are the stream's blocks in order; .cpu() waits
             block_sums = torch.cat(sums).cpu().numpy() if sums else np.zeros(0, np.int64)
         return finish(fold(block_sums), int(lengths.sum()))
 
-    def _slot_sums(self, scratch: _Scratch, space: Any, offsets: np.ndarray, lengths: np.ndarray) -> list[Any]:
-        """One slot's runs gathered into ``scratch.slot``, and its per-block sums (as int64 tensors)."""
+    def _block_sums(self, scratch: _Scratch, num_bytes: int) -> list[Any]:
+        """The per-block sums (int64 tensors) of the first ``num_bytes`` of ``scratch.slot``."""
         torch = self._torch
-        num_bytes = int(lengths.sum())
-        row = row_bytes(offsets, lengths, 0)
-        rows = space[: space.numel() // row * row].view(-1, row)
-        index = torch.from_numpy(row_index(offsets, lengths, 0, row)).to(scratch.slot.device)
-        torch.index_select(rows, 0, index, out=scratch.slot[:num_bytes].view(-1, row))
         num_words = -(-num_bytes // WORD_BYTES)
         scratch.slot[num_bytes : num_words * WORD_BYTES].zero_()  # the tail's word, zero-padded
         words = scratch.slot[: num_words * WORD_BYTES].view(torch.int32)
