@@ -27,7 +27,7 @@ class GlmPdSglangConfig:
     transport: str = "mooncake"  # mooncake | nixl
     allow_tcp: bool = False  # accept a data path without RDMA (refused otherwise)
     timeout_s: float = 60.0  # bound on every transfer wait
-    verify_checksums: bool = False  # glm-pd's per-region xxh3 digests, checked before Success
+    verify_checksums: bool = False  # glm-pd's per-region digests, checked before Success
     indexer_scale_format: str = ""  # empty: from the device; SGLang writes fp32 on every device
     model_revision: str = ""  # checked between peers when both set it
     credential: str = ""  # the deployment's key: a *.key_secret file (`glm-pd keygen`) or env:NAME; needed off loopback

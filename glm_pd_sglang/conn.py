@@ -50,8 +50,8 @@ from glm_pd_common.layout.shards import owned_layers
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.devices import thread_device
 from glm_pd_common.transport.factory import create_transport
-from glm_pd_common.transport.memory import reader_for
 from glm_pd_common.transport.staging import torch_staging
+from glm_pd_common.transport.torch_memory import reader_for
 from glm_pd_sglang import wire
 from glm_pd_sglang.admission import PrefillAdmission
 from glm_pd_sglang.bootstrap_auth import authorization

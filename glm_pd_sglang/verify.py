@@ -1,7 +1,8 @@
 """Decode's check of what landed in a room: glm-pd's per-region digests of its pages against prefill's.
 
-Hashing a room's pages takes ~0.7 s per 32k tokens on a GPU's staged path, so it runs on a verifier thread of
-its own, never on SGLang's scheduler thread (which only polls for the answer). Prefill computes the same digests
+Digesting a room's pages reads every byte of them (on the GPU now; it took ~0.7 s per 32k tokens when they were
+staged to the host), so it runs on a verifier thread of its own, never on SGLang's scheduler thread (which only
+polls for the answer). Prefill computes the same digests
 (``_region_digests``) over what it sent.
 """
 

@@ -26,7 +26,7 @@ class GlmPdVllmConfig:
     allow_tcp: bool = False  # accept a data path without RDMA (refused otherwise)
     lease_s: float = 30.0  # prefill holds finished blocks this long for decode's claim
     timeout_s: float = 60.0  # bound on every handshake, claim and transfer wait
-    verify_checksums: bool = False  # per-region xxh3 digests compared before a load counts
+    verify_checksums: bool = False  # per-region digests compared before a load counts
     indexer_scale_format: str = ""  # empty: what vLLM writes on the device; fp32 (SM90, CPU) | ue8m0x4 (SM10x)
     model_revision: str = ""  # checked between peers when both set it
     streamed: bool = False  # prefill announces each step's blocks; decode reads while prefill runs (README)

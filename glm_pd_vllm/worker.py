@@ -34,8 +34,8 @@ from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.transport.base import Transport, TransportConfig
 from glm_pd_common.transport.devices import thread_device
 from glm_pd_common.transport.factory import create_transport
-from glm_pd_common.transport.memory import reader_for
 from glm_pd_common.transport.staging import torch_staging
+from glm_pd_common.transport.torch_memory import reader_for
 from glm_pd_vllm.addresses import RankAddress, check_bindable
 from glm_pd_vllm.caches import pages_per_block, regions_from_kv_caches
 from glm_pd_vllm.config import GlmPdVllmConfig

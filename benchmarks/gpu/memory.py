@@ -144,7 +144,7 @@ class CudaKind(HostKind):
 
     def endpoint_extras(self, regions: list[Region]) -> dict[str, Any]:
         from glm_pd_common.transport.devices import thread_device
-        from glm_pd_common.transport.memory import reader_for
+        from glm_pd_common.transport.torch_memory import reader_for
 
         return {
             "memory": reader_for([r.mem_kind for r in regions], self.torch),

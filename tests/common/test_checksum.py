@@ -22,14 +22,14 @@ def _moved(spec, p=64, d=32):
 
 
 def test_digests_match_after_a_faithful_copy(small_spec):
-    _, _, plan = _moved(small_spec)
+    _src, _dst, plan = _moved(small_spec)  # held: the plan's regions point into these caches
     expected = plan_digests(plan, "src")
     assert plan_digests(plan, "dst") == expected
     verify(plan, expected)
 
 
 def test_a_flipped_byte_names_layer_kind_and_page(small_spec):
-    _, dst, plan = _moved(small_spec)
+    _src, dst, plan = _moved(small_spec)  # _src held: the plan's source regions point into it
     expected = plan_digests(plan, "src")
     index = next(i for i, e in enumerate(plan.entries) if e.dst.kind == "indexer" and e.dst.layer_id == 3)
     remote_pages = {index: page_digests(plan, index, "src")}

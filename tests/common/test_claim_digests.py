@@ -1,5 +1,5 @@
-"""A claim's digests are computed off prefill's service thread (issue 28, item 2): on a GPU each region's runs are
-copied to the host first, seconds for a long request, and the service thread answers every other decode.
+"""A claim's digests are computed off prefill's service thread (issue 28, item 2): a long request's digests read
+gigabytes (seconds on the host), and the service thread answers every other decode.
 
 The slow read is a test double (``HeldMemory``: host reads whose first digest waits until the test lets it go),
 so the premise, one claim's digests still running while another decode claims, holds by construction."""
@@ -7,7 +7,6 @@ so the premise, one claim's digests still running while another decode claims, h
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -20,18 +19,19 @@ HOLD_S = 30.0  # the held digest lets go by itself after this (the old code's se
 
 
 class HeldMemory(HostMemory):
-    """Host reads; the first digest's read waits for ``release`` (a stand-in for a GPU region's staged copies)."""
+    """Host reads; the first digest's read waits for ``release`` (a stand-in for a long request's digest)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.entered, self.release = threading.Event(), threading.Event()
         self.threads: set[str] = set()
 
-    def chunks(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[memoryview]:
+    def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
         self.threads.add(threading.current_thread().name)
         if not self.entered.is_set():
             self.entered.set()
             self.release.wait(HOLD_S)
-        yield from super().chunks(region, offsets, lengths)
+        return super().digest(region, offsets, lengths)
 
 
 def test_a_claim_being_digested_holds_up_no_other_decode(small_spec) -> None:

@@ -2,7 +2,7 @@
 
 Hashing a CUDA region through a host pointer segfaults the engine; the host reader now refuses device memory by
 name, and ``StagedMemory`` copies device runs to the host in batches. Its batching is checked here with a copier
-that reads host memory (a test double standing in for the device-to-host copy; tests/gpu checks the CUDA one):
+that reads host memory (a test double standing in for the device-to-host copy; tests/gpu checks the CUDA reader):
 digests and per-page digests must equal the host reader's over the same bytes, whatever the staging size.
 """
 
@@ -12,16 +12,16 @@ import re
 
 import numpy as np
 import pytest
-import xxhash
 
 from glm_pd_common.errors import ConfigError
+from glm_pd_common.layout.digest_words import digest_bytes
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.hostmem import HostCaches
-from glm_pd_common.transport.digests import digest_runs, page_digests, plan_digests, region_pages_digest
-from glm_pd_common.transport.memory import StagedMemory
+from glm_pd_common.transport.digests import page_digests, plan_digests, region_pages_digest
+from glm_pd_common.transport.memory import HOST, StagedMemory
 
 PAGE_TOKENS = 64
 SPEC = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
@@ -60,14 +60,15 @@ def caches():
 def test_the_host_reader_refuses_device_memory_by_name(caches) -> None:
     region = as_vram(caches.regions[3], device=2)
     with pytest.raises(ConfigError, match=r"is VRAM on device 2: its digest cannot be read through a host pointer"):
-        digest_runs(region, np.array([0]), np.array([16]))
+        HOST.digest(region, np.array([0]), np.array([16]))
     with pytest.raises(ConfigError, match=re.escape(region.name)):
-        digest_runs(region, np.array([16]), np.array([1]))
+        HOST.digest(region, np.array([16]), np.array([1]))
 
 
 @pytest.mark.parametrize("staging", [1, 100, 4096, 1 << 20])
 def test_staged_digests_equal_host_digests(caches, staging) -> None:
-    """Runs cut and merged across staging buffers of every size hash to the bytes' own xxh3."""
+    """Runs cut and merged across staging buffers of every size (words cut in two included) digest to the bytes'
+    own digest."""
     copier = HostCopier()
     staged = StagedMemory(copier, staging_bytes=staging)
     rng = np.random.default_rng(staging)
@@ -79,7 +80,7 @@ def test_staged_digests_equal_host_digests(caches, staging) -> None:
             (ctypes.c_char * region.page_bytes).from_address(region.base_addr + int(p) * region.page_stride).raw
             for p in pages
         )
-        assert host == xxhash.xxh3_64_intdigest(raw)
+        assert host == digest_bytes(raw)
     assert copier.largest <= staging
 
 
@@ -100,18 +101,15 @@ def test_staged_page_digests_of_a_converted_plan(caches) -> None:
         plan_digests(vplan, "src")
 
 
-def test_two_lanes_digesting_at_once_through_one_copier_get_their_own_bytes(caches) -> None:
-    """``cuda_copier`` over a torch double (host memory as the "device", a stream wait that lets the other thread
-    run): two threads digest two regions through one staged reader, 40 times each, and every digest is the
-    region's own. With one pinned buffer shared by the threads, one lane's copy overwrote the other's bytes before
-    they were hashed (70 of 80 wrong on an H200; tests/gpu/test_device_digests.py checks it on a GPU)."""
-    from glm_pd_common.transport.memory import cuda_copier
-    from tests.support.device_double import CopyTorch, concurrent_misses
+def test_two_threads_digesting_at_once_through_one_reader_get_their_own_bytes(caches) -> None:
+    """Two threads digest two regions' short runs (packed through the host reader's slot) at once, 40 times each,
+    and every digest is the region's own: the slot is the calling thread's (a shared one let one lane's runs
+    overwrite the other's before they were summed; 70 of 80 wrong on an H200 with the old pinned buffer)."""
+    from tests.support.device_double import concurrent_misses
 
-    regions = [as_vram(caches.regions[0]), as_vram(caches.regions[1])]
-    staged = StagedMemory(cuda_copier(CopyTorch()), staging_bytes=1 << 20)
+    regions = caches.regions[:2]
     pages = np.arange(24)[::-1].copy()
-    alone = [region_pages_digest(r, pages, staged) for r in regions]
+    alone = [region_pages_digest(r, pages) for r in regions]
     assert alone[0] != alone[1]
-    wrong = concurrent_misses(lambda i: region_pages_digest(regions[i], pages, staged), alone)
+    wrong = concurrent_misses(lambda i: region_pages_digest(regions[i], pages), alone)
     assert wrong == [], f"{len(wrong)} of 80 digests differed from the region's own"

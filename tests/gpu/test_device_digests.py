@@ -1,8 +1,10 @@
-"""Digests of CUDA memory are staged to the host, never read through a host pointer (issue 15 item 3).
+"""Digests of CUDA memory are computed on the device, never read through a host pointer (issue 15 item 3, issue 28
+item 2).
 
-Skipped without CUDA. Regions on the last visible GPU (device id > 0 where there are several): the staged digest
-of a region's pages must equal xxh3 over the same bytes copied by torch itself, with a staging buffer smaller
-than the pages so runs are cut and batched.
+Skipped without CUDA. Regions on the last visible GPU (device id > 0 where there are several): the device digest of
+a region's pages must equal the host definition (numpy) over the same bytes copied by torch itself, with a scratch
+smaller than the pages so runs are cut into several slots; random runs on the device equal numpy's over the same
+bytes; and two threads digesting through one reader get their own bytes.
 """
 
 from __future__ import annotations
@@ -11,45 +13,72 @@ import dataclasses
 
 import numpy as np
 import pytest
-import xxhash
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_staged_digest_of_vram_equals_the_bytes_digest() -> None:
-    from glm_pd_common.layout.geometry import ModelGeometry
-    from glm_pd_common.layout.spec import CacheSpec
-    from glm_pd_common.tools.hostmem import HostCaches
-    from glm_pd_common.transport.digests import region_pages_digest
-    from glm_pd_common.transport.memory import StagedMemory, cuda_copier, reader_for
-
-    device = torch.device("cuda", torch.cuda.device_count() - 1)
-    spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
-    pages = 8
-    template = HostCaches(spec, page_tokens=64, num_pages=pages).regions[-2:]  # the MTP layer's main and indexer
+def _vram_regions(device, pages: int, template):
     tensors = [torch.randint(0, 256, (pages * r.page_stride,), dtype=torch.uint8, device=device) for r in template]
     regions = [
         dataclasses.replace(r, base_addr=t.data_ptr(), mem_kind="VRAM", device_id=device.index)
         for r, t in zip(template, tensors, strict=True)
     ]
-    assert isinstance(reader_for([r.mem_kind for r in regions], torch), StagedMemory)
-    staged = StagedMemory(cuda_copier(torch), staging_bytes=10_000)
-    chosen = np.array([7, 3, 4, 5, 0])
-    for region, tensor in zip(regions, tensors, strict=True):
-        host = tensor.view(pages, region.page_stride)[torch.as_tensor(chosen, device=device)].cpu().numpy()
-        want = xxhash.xxh3_64_intdigest(host[:, : region.page_bytes].tobytes())
-        assert region_pages_digest(region, chosen, staged) == want
+    return regions, tensors
 
 
-def test_the_injected_corruption_lands_in_vram_and_the_staged_digest_sees_it() -> None:
-    """The fault injector's byte flip works on device memory (the fault matrices' corruption case on a GPU): one
-    byte of a VRAM page inverted changes that page's staged digest, and flipping it back restores it."""
+def test_device_digest_of_vram_equals_the_bytes_digest() -> None:
+    from glm_pd_common.layout.digest_words import BLOCK_BYTES, digest_bytes
     from glm_pd_common.layout.geometry import ModelGeometry
     from glm_pd_common.layout.spec import CacheSpec
     from glm_pd_common.tools.hostmem import HostCaches
     from glm_pd_common.transport.digests import region_pages_digest
-    from glm_pd_common.transport.memory import StagedMemory, cuda_copier
+    from glm_pd_common.transport.torch_memory import TorchMemory, reader_for
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
+    pages = 8
+    template = HostCaches(spec, page_tokens=64, num_pages=pages).regions[-2:]  # the MTP layer's main and indexer
+    regions, tensors = _vram_regions(device, pages, template)
+    assert isinstance(reader_for([r.mem_kind for r in regions], torch), TorchMemory)
+    reader = TorchMemory(torch, scratch_bytes=BLOCK_BYTES)
+    chosen = np.array([7, 3, 4, 5, 0])
+    for region, tensor in zip(regions, tensors, strict=True):
+        host = tensor.view(pages, region.page_stride)[torch.as_tensor(chosen, device=device)].cpu().numpy()
+        want = digest_bytes(np.ascontiguousarray(host[:, : region.page_bytes]))
+        assert region_pages_digest(region, chosen, reader) == want
+
+
+def test_random_runs_on_cuda_equal_numpy() -> None:
+    """Runs of any length and offset (tails mid-word, runs across slots) over one device buffer."""
+    from glm_pd_common.layout.digest_words import BLOCK_BYTES, digest_bytes
+    from glm_pd_common.tools.flat import flat_span
+    from glm_pd_common.transport.torch_memory import TorchMemory
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    size = 5 * BLOCK_BYTES + 3
+    tensor = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
+    host = tensor.cpu().numpy()
+    region = flat_span(tensor.data_ptr(), size, "VRAM", device.index)
+    rng = np.random.default_rng(5)
+    for scratch_blocks in (1, 2, 3):
+        reader = TorchMemory(torch, scratch_bytes=scratch_blocks * BLOCK_BYTES)
+        for _ in range(20):
+            lengths = rng.integers(0, 2 * BLOCK_BYTES, rng.integers(1, 10))
+            lengths[rng.random(lengths.size) < 0.3] %= 97
+            offsets = np.array([rng.integers(0, size - n + 1) for n in lengths])
+            want = digest_bytes(b"".join(host[o : o + n].tobytes() for o, n in zip(offsets, lengths, strict=True)))
+            assert reader.digest(region, offsets, lengths) == want
+
+
+def test_the_injected_corruption_lands_in_vram_and_the_device_digest_sees_it() -> None:
+    """The fault injector's byte flip works on device memory (the fault matrices' corruption case on a GPU): one
+    byte of a VRAM page inverted changes that page's device digest, and flipping it back restores it."""
+    from glm_pd_common.layout.geometry import ModelGeometry
+    from glm_pd_common.layout.spec import CacheSpec
+    from glm_pd_common.tools.hostmem import HostCaches
+    from glm_pd_common.transport.digests import region_pages_digest
+    from glm_pd_common.transport.torch_memory import TorchMemory
     from tests.support.faults import flip
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
@@ -57,45 +86,42 @@ def test_the_injected_corruption_lands_in_vram_and_the_staged_digest_sees_it() -
     template = HostCaches(spec, page_tokens=64, num_pages=4).regions[-1]  # the MTP layer's indexer
     tensor = torch.randint(0, 256, (4 * template.page_stride,), dtype=torch.uint8, device=device)
     region = dataclasses.replace(template, base_addr=tensor.data_ptr(), mem_kind="VRAM", device_id=device.index)
-    staged = StagedMemory(cuda_copier(torch))
+    reader = TorchMemory(torch)
     pages = np.array([2])
-    before = region_pages_digest(region, pages, staged)
+    before = region_pages_digest(region, pages, reader)
     offset = 2 * region.page_stride + 17
     old = int(tensor[offset])
     flip(region, offset)
     assert int(tensor[offset]) == old ^ 0xFF
-    assert region_pages_digest(region, pages, staged) != before
+    assert region_pages_digest(region, pages, reader) != before
     flip(region, offset)
-    assert region_pages_digest(region, pages, staged) == before
+    assert region_pages_digest(region, pages, reader) == before
 
 
 def test_lanes_digesting_at_once_through_one_reader_get_their_own_bytes() -> None:
-    """Two threads digest two VRAM regions through one staged reader (as decode lanes reading two prefills, or two
-    SGLang transfer lanes, do), over and over: every digest equals the one computed alone. With one pinned buffer
-    shared by the threads, 70 of 80 were wrong on an H200."""
+    """Two threads digest two VRAM regions through one reader (as decode lanes reading two prefills, or two SGLang
+    transfer lanes, do), over and over: every digest equals the one computed alone. With one pinned buffer shared
+    by the threads, 70 of 80 were wrong on an H200; each thread now gathers into a device scratch of its own."""
+    from glm_pd_common.layout.digest_words import BLOCK_BYTES
     from glm_pd_common.layout.geometry import ModelGeometry
     from glm_pd_common.layout.spec import CacheSpec
     from glm_pd_common.tools.hostmem import HostCaches
     from glm_pd_common.transport.digests import region_pages_digest
-    from glm_pd_common.transport.memory import StagedMemory, cuda_copier
+    from glm_pd_common.transport.torch_memory import TorchMemory
     from tests.support.device_double import concurrent_misses
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
     pages = 64
     template = HostCaches(spec, page_tokens=64, num_pages=pages).regions[:2]
-    tensors = [torch.randint(0, 256, (pages * r.page_stride,), dtype=torch.uint8, device=device) for r in template]
-    regions = [
-        dataclasses.replace(r, base_addr=t.data_ptr(), mem_kind="VRAM", device_id=device.index)
-        for r, t in zip(template, tensors, strict=True)
-    ]
-    staged = StagedMemory(cuda_copier(torch), staging_bytes=1 << 20)
+    regions, _tensors = _vram_regions(device, pages, template)
+    reader = TorchMemory(torch, scratch_bytes=8 * BLOCK_BYTES)
     chosen = np.arange(pages)[::-1].copy()
-    alone = [region_pages_digest(r, chosen, staged) for r in regions]
+    alone = [region_pages_digest(r, chosen, reader) for r in regions]
 
     def digest(i: int) -> int:
         with torch.cuda.device(device):
-            return region_pages_digest(regions[i], chosen, staged)
+            return region_pages_digest(regions[i], chosen, reader)
 
     wrong = concurrent_misses(digest, alone)
     assert wrong == [], f"{len(wrong)} of 80 digests differed from the region's own"

@@ -1,5 +1,4 @@
-"""Test doubles for torch's CUDA device selection and events (no GPU here), to see which device each call ran on,
-and for its device-to-host copies (``CopyTorch``), to run ``cuda_copier`` over host memory.
+"""Test doubles for torch's CUDA device selection and events (no GPU here), to see which device each call ran on.
 
 CUDA's runtime starts every thread on device 0, and a call there opens GPU 0's context; so each double notes,
 per call, the calling thread and the device that thread had selected (0 until it calls ``set_device``).
@@ -7,11 +6,8 @@ per call, the calling thread and the device that thread had selected (0 until it
 
 from __future__ import annotations
 
-import ctypes
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -74,65 +70,14 @@ class Event:
 
 
 class NotingReader:
-    """The host reader, noting each read where a device's staging copy would run (a test double for it)."""
+    """The host reader, noting each digest where a device's digest kernels would run (a test double for it)."""
 
     def __init__(self, devices: DeviceDouble) -> None:
         self.devices = devices
 
-    def chunks(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> Iterator[memoryview]:
+    def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
         self.devices.note("copy")
-        return HOST.chunks(region, offsets, lengths)
-
-    def can_read(self, mem_kind: str) -> bool:
-        return HOST.can_read(mem_kind)
-
-
-class HostTensor:
-    """A uint8 tensor over host memory (numpy), with the few methods ``cuda_copier`` calls."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-
-    def numel(self) -> int:
-        return int(self.array.size)
-
-    def __getitem__(self, key: slice) -> HostTensor:
-        return HostTensor(self.array[key])
-
-    def copy_(self, src: HostTensor, non_blocking: bool = False) -> None:
-        np.copyto(self.array, src.array)
-
-    def numpy(self) -> np.ndarray:
-        return self.array
-
-
-class CopyTorch:
-    """Test double for the part of torch ``cuda_copier`` uses, over host memory: "device" addresses are host ones,
-    pinned buffers are numpy arrays, and waiting for the stream lets other threads run (on a GPU the copy lands
-    meanwhile, and another lane's thread runs as it likes)."""
-
-    uint8 = np.uint8
-
-    def __init__(self) -> None:
-        self.cuda = SimpleNamespace(device=lambda device: nullcontext(), current_stream=self._stream)
-
-    @staticmethod
-    def device(kind: str, index: int) -> tuple[str, int]:
-        return kind, index
-
-    @staticmethod
-    def empty(n: int, dtype: Any, pin_memory: bool = False) -> HostTensor:
-        return HostTensor(np.empty(n, dtype=np.uint8))
-
-    @staticmethod
-    def as_tensor(raw: Any, device: Any) -> HostTensor:
-        addr, _ = raw.__cuda_array_interface__["data"]
-        (n,) = raw.__cuda_array_interface__["shape"]
-        return HostTensor(np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr)))
-
-    @staticmethod
-    def _stream(device: Any) -> SimpleNamespace:
-        return SimpleNamespace(synchronize=lambda: time.sleep(0.001))
+        return HOST.digest(region, offsets, lengths)
 
 
 def concurrent_misses(digest: Callable[[int], int], expected: list[int], rounds: int = 40) -> list[int]:

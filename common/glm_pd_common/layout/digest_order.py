@@ -27,8 +27,8 @@ def side_runs(entry: RegionRuns, side: Side) -> tuple[Region, np.ndarray]:
 
 def runs_by_page(plan: TransferPlan, entry_index: int, side: Side) -> tuple[Region, np.ndarray, np.ndarray, np.ndarray]:
     """The runs of one region pair regrouped by the destination page they land in, as
-    ``(region, offsets, lengths, page_ends)``: read in this order, the stream's bytes up to ``page_ends[i]``
-    (cumulative) belong to destination page position ``i``."""
+    ``(region, offsets, lengths, page_starts)``: the runs of destination page position ``i`` are
+    ``page_starts[i]:page_starts[i + 1]``, in the order its bytes are read."""
     entry = plan.entries[entry_index]
     src, dst, lengths = plan.chunk_runs(entry)
     region, _ = side_runs(entry, side)
@@ -36,8 +36,8 @@ def runs_by_page(plan: TransferPlan, entry_index: int, side: Side) -> tuple[Regi
     segments = len(entry.src.page_format.segment_bytes_per_token)
     page_of_run = np.tile(plan.chunks.dst_page_index, segments)
     order = np.argsort(page_of_run, kind="stable")
-    per_page = np.bincount(page_of_run[order], weights=lengths[order], minlength=plan.dst_pages.size)
-    return region, offsets[order], lengths[order], np.cumsum(per_page.astype(np.int64))
+    runs_per_page = np.bincount(page_of_run, minlength=plan.dst_pages.size)
+    return region, offsets[order], lengths[order], np.concatenate([[0], np.cumsum(runs_per_page)]).astype(np.int64)
 
 
 def source_page(plan: TransferPlan, dst_page_index: int) -> int:

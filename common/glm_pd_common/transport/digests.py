@@ -1,17 +1,18 @@
-"""xxh3-64 digests of the bytes a plan moves, read from registered memory.
+"""Digests of the bytes a plan moves, read from registered memory.
 
-Both sides hash the same runs in the same order (``layout.digest_order``), so one digest per region pair
-compares the source bytes with what landed. On a mismatch, per-page digests of that one region name the first
-bad page. The bytes are read through a ``MemoryReader`` (``memory``): host memory directly, device memory
-staged to the host first, so a digest never dereferences a device address from the CPU.
+Both sides digest the same runs in the same order (``layout.digest_order``) by the same definition
+(``layout.digest_words``), so one digest per region pair compares the source bytes with what landed. On a
+mismatch, per-page digests of that one region name the first bad page. The bytes are read through a
+``MemoryReader`` (``memory``): host memory directly, device memory on its device (or staged to the host), so a
+digest never dereferences a device address from the CPU.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
-import xxhash
 
 from glm_pd_common.errors import ChecksumMismatch
 from glm_pd_common.layout.digest_order import Side, page_list_runs, runs_by_page, side_runs, source_page
@@ -20,36 +21,20 @@ from glm_pd_common.layout.regions import Region
 from glm_pd_common.transport.memory import HOST, MemoryReader
 
 
-def digest_runs(region: Region, offsets: np.ndarray, lengths: np.ndarray, memory: MemoryReader = HOST) -> int:
-    h = xxhash.xxh3_64()
-    for chunk in memory.chunks(region, offsets, lengths):
-        h.update(chunk)
-    return h.intdigest()
-
-
 def plan_digests(plan: TransferPlan, side: Side, memory: MemoryReader = HOST) -> list[int]:
     """One digest per region pair of the plan, over that side's bytes."""
     out = []
     for entry in plan.entries:
         region, offsets = side_runs(entry, side)
-        out.append(digest_runs(region, offsets, entry.lengths, memory))
+        out.append(memory.digest(region, offsets, entry.lengths))
     return out
 
 
 def page_digests(plan: TransferPlan, entry_index: int, side: Side, memory: MemoryReader = HOST) -> list[int]:
-    """Per destination page of one region pair: a digest of the bytes that land in that page."""
-    region, offsets, lengths, page_ends = runs_by_page(plan, entry_index, side)
-    hashers = [xxhash.xxh3_64() for _ in range(plan.dst_pages.size)]
-    pos, page = 0, 0
-    for chunk in memory.chunks(region, offsets, lengths):
-        at = 0
-        while at < len(chunk):
-            while page_ends[page] <= pos:
-                page += 1
-            take = min(len(chunk) - at, int(page_ends[page]) - pos)
-            hashers[page].update(chunk[at : at + take])
-            at, pos = at + take, pos + take
-    return [h.intdigest() for h in hashers]
+    """Per destination page of one region pair: the digest of the bytes that land in that page, each page a
+    stream of its own (its word positions start at 0), so either side computes it from that page's runs alone."""
+    region, offsets, lengths, page_starts = runs_by_page(plan, entry_index, side)
+    return [memory.digest(region, offsets[a:b], lengths[a:b]) for a, b in itertools.pairwise(page_starts.tolist())]
 
 
 MAX_PAGE_QUERIES = 8  # regions whose per-page digests decode asks for, and prefill answers, on a mismatch
@@ -117,5 +102,4 @@ def _check_counts(plan: TransferPlan, expected: list[int]) -> None:
 
 def region_pages_digest(region: Region, pages: np.ndarray, memory: MemoryReader = HOST) -> int:
     """One digest of a region's listed pages, whole and in list order (``page_list_runs``)."""
-    offsets, lengths = page_list_runs(region, pages)
-    return digest_runs(region, offsets, lengths, memory)
+    return memory.digest(region, *page_list_runs(region, pages))

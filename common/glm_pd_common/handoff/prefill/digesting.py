@@ -1,5 +1,5 @@
-"""Prefill's digests of what a claim reads: computed on threads of their own, never the service thread (on a GPU
-every run is copied to the host first: seconds for a long request), and handed back to it to answer the claim;
+"""Prefill's digests of what a claim reads: computed on threads of their own, never the service thread (a long
+request's digest reads gigabytes: tens of ms on a GPU, seconds on the host), and handed back to it to answer the claim;
 and the per-page digests decode asks for after a mismatch, to name the first bad page."""
 
 from __future__ import annotations

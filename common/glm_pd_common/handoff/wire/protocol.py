@@ -25,6 +25,7 @@ Version history:
   in slots of ``slot_bytes``, and decode then asks for each slot (``gather``) and reads it from where prefill
   says it gathered it (``gathered``). The transport metadata a hello carries names its node, so a rank that
   moves GPU memory by cuda_ipc (no RDMA) refuses a peer on another node.
+  Digests are ``layout.digest_words``' keyed word sums (computable on a GPU), no longer xxh3-64.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -57,7 +58,7 @@ def renew_interval(lease_s: float) -> float:
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a 1M-token page list is ~100 KB; anything near this is hostile
 # Every consumer holds page ids as int64: a larger or negative one is refused where it enters.
 PageId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
-Digest = Annotated[int, msgspec.Meta(ge=0)]  # xxh3-64: msgpack caps it at 2**64 - 1
+Digest = Annotated[int, msgspec.Meta(ge=0)]  # 64-bit (``layout.digest_words``): msgpack caps it at 2**64 - 1
 # Text a peer sends is bounded by its type, so no remote string is held, logged or echoed past these lengths.
 MAX_ID_CHARS = 512  # request, lease, transfer, engine and agent ids (vLLM's params already cap ids at 256)
 MAX_REASON_CHARS = 2048
