@@ -43,23 +43,27 @@ class Batches(list[Transfer]):
 
 
 class Reads:
-    """The reads of one decode rank's loads (on the lane that runs each load)."""
+    """The reads of one decode rank's loads (on the lane that runs each load), through the endpoint the service
+    holds at the time (its transport and staging buffer)."""
 
-    def __init__(
-        self, local: Endpoint, links: PrefillLinks, timeout_s: float, fault: Callable[[LoadJob, FaultPoint], None]
-    ) -> None:
-        self.local, self._links, self.timeout_s, self._fault = local, links, timeout_s, fault
+    def __init__(self, links: PrefillLinks, timeout_s: float, fault: Callable[[LoadJob, FaultPoint], None]) -> None:
+        self._links, self.timeout_s, self._fault = links, timeout_s, fault
 
     def pull(
-        self, pieces: list[tuple[PrefillLink, TransferPlan]], slots: list[int], result: LoadResult, job: LoadJob
+        self,
+        local: Endpoint,
+        pieces: list[tuple[PrefillLink, TransferPlan]],
+        slots: list[int],
+        result: LoadResult,
+        job: LoadJob,
     ) -> None:
         """Post every direct source's runs, then wait; read the staged ones slot by slot."""
         t0 = time.perf_counter()
         staged = 0
-        with self.posted() as posted:
+        with Batches(local.transport) as posted:
             for (peer, plan), slot_bytes in zip(pieces, slots, strict=True):
                 if slot_bytes:
-                    assert self.local.staging is not None  # slot_bytes_for staged only with a buffer here
+                    assert local.staging is not None  # slot_bytes_for staged only with a buffer here
                     first = not posted and not staged
                     staged += read_staged(
                         self._links,
@@ -67,8 +71,8 @@ class Reads:
                         plan,
                         job.lease_id,
                         slot_bytes,
-                        self.local.staging,
-                        self.local.transport,
+                        local.staging,
+                        local.transport,
                         self.timeout_s,
                         partial(self._slot_fault, job, first),
                     )
@@ -82,7 +86,7 @@ class Reads:
                         continue  # this rank holds none of the tokens that source has of these layers
                     if len(posted) < 2:  # before the load's first batch, and between its first two
                         self._fault(job, "mid_transfer" if posted else "posting")
-                    posted.append(self.local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
+                    posted.append(local.transport.post_plan(peer.agent, plan, "READ", entries=entries))
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
         count(result, posted, pieces, staged)
@@ -91,10 +95,6 @@ class Reads:
         """A staged load's fault points: before its first slot and between its first two, as a direct one's."""
         if first and k < 2:
             self._fault(job, "mid_transfer" if k else "posting")
-
-    def posted(self) -> Batches:
-        """A load's batches, released when its ``with`` block ends."""
-        return Batches(self.local.transport)
 
 
 def count(

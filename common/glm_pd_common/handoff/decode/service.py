@@ -34,7 +34,7 @@ from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.decode.feeds import Feed
 from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
 from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult, Phases, Refused, RemotePrefill, failure_code
-from glm_pd_common.handoff.decode.reads import Reads, count
+from glm_pd_common.handoff.decode.reads import Batches, Reads, count
 from glm_pd_common.handoff.decode.renewals import Renewals
 from glm_pd_common.handoff.decode.staged import slot_bytes_for
 from glm_pd_common.handoff.decode.states import Handoff, HandoffState
@@ -86,7 +86,7 @@ class DecodeService:
         self._links = PrefillLinks(local, timeout_s, self._progress)
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._renewals = Renewals(lanes, self._links, local.shape.tp_rank, self._layouts)
-        self._reads = Reads(local, self._links, timeout_s, self._fault)
+        self._reads = Reads(self._links, timeout_s, self._fault)
         self._lock = threading.Lock()
         self._cancelled = RecentIds()  # under ``_lock``: cancelled request ids, for loads that have not looked yet
         # a prefill engine (rank 0's address) keeps its lane; renewals go out before each wait for a load, so
@@ -184,7 +184,7 @@ class DecodeService:
                 claims = [self._claim(peer, plan, job, slot) for (peer, plan), slot in zip(pieces, slots, strict=True)]
                 mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
-                self._reads.pull(pieces, slots, result, job)
+                self._reads.pull(self.local, pieces, slots, result, job)
                 moving = [plan for _, plan in pieces if plan.num_runs]
                 if self.faults is not None and moving:
                     self.faults.landed(job.request_id, *moved_byte(moving[-1]))
@@ -293,7 +293,7 @@ class DecodeService:
         handoff.advance(HandoffState.WAITING_FOR_INPUT)
         pieces: list[tuple[PrefillLink, TransferPlan, protocol.Claimed]] = []
         t0 = time.perf_counter()
-        posted = self._reads.posted()
+        posted = Batches(self.local.transport)
 
         def read(i: int) -> None:
             span = feeds[i].next_read(align, job.num_tokens)
