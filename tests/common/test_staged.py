@@ -7,19 +7,22 @@ forced on: on DRAM ``auto`` posts directly). Hostile slot requests are refused n
 
 from __future__ import annotations
 
+import queue
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from glm_pd_common.handoff.decode.service import LoadJob
+from glm_pd_common.handoff.prefill.staged import GatherDone, StagedReads
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.base import Span
-from glm_pd_common.transport.staging import DIRECT_RUN_BYTES, HostMover, staged_runs, stages
+from glm_pd_common.transport.staging import DIRECT_RUN_BYTES, HostMover, Staging, staged_runs, stages
 from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill, claim, rivals, wait_for
 
 V = PROTOCOL_VERSION
@@ -206,3 +209,38 @@ def test_slot_requests_outside_a_decodes_own_staged_claim_are_refused(small_spec
 def _refusal_of(reply: protocol.Message, code: str) -> str:
     assert isinstance(reply, protocol.Failed) and reply.code == code, reply
     return reply.reason
+
+
+class _NoCopy:
+    """A mover that copies nothing (the order of gathers is what the case is about)."""
+
+    def gather(self, addrs: np.ndarray, lengths: np.ndarray, into: int) -> None:
+        return None
+
+    def scatter(self, source: int, addrs: np.ndarray, lengths: np.ndarray) -> None:
+        return None
+
+
+def test_a_read_holding_the_only_pair_goes_on_while_an_earlier_read_waits_for_it(small_spec) -> None:
+    """Prefill's reads take pairs first come, first served, but one that holds a pair is never held up by one
+    waiting for a pair (it would wait for the pair that read holds: a deadlock, seen 1 run in 6 before)."""
+    plan = _plan(small_spec, [2, 9, 0], [7, 3, 4], 3 * PAGE_TOKENS)
+    buffer = np.zeros(2 * SLOT, dtype=np.uint8)
+    staging = Staging(Span("staging", buffer.ctypes.data, buffer.size), SLOT, _NoCopy(), "always")  # one pair
+    finished: queue.SimpleQueue[GatherDone] = queue.SimpleQueue()
+    reads = StagedReads(staging, "test", lambda: None, finished.put)
+    try:
+        reads.open(b"A", "a", plan, SLOT)  # A opened first, so it is first in line for a pair
+        reads.open(b"B", "b", plan, SLOT)
+        assert reads.ask(b"B", protocol.Gather(v=V, request_id="b", slot=0)) == ""  # B takes the pair
+        assert reads.ask(b"A", protocol.Gather(v=V, request_id="a", slot=0)) == ""  # A waits for it
+        first = finished.get(timeout=10)
+        assert (first.ident, first.slot) == (b"B", 0) and isinstance(reads.done(first), protocol.Gathered)
+        assert reads.ask(b"B", protocol.Gather(v=V, request_id="b", slot=1)) == ""
+        second = finished.get(timeout=10)
+        assert (second.ident, second.slot) == (b"B", 1)
+        reads.done(second)
+        reads.close("b")  # B's decode confirmed: A gets the pair
+        assert finished.get(timeout=10).ident == b"A"
+    finally:
+        reads.shutdown()

@@ -129,17 +129,20 @@ class StagedReads:
             self.staging.pairs.give(read.pair)
 
     def _pump(self) -> None:
-        """Start the next gather of every open read that has a slot asked and none running, in arrival order."""
+        """Start the next gather of every open read that has a slot asked and none running, in arrival order. Reads
+        holding a pair always go on (they free it); those without take one first come, first served."""
         staging = self.staging
         if staging is None:
             return
+        waiting = False  # a read found no pair free: later reads without one wait behind it
         for (request_id, ident), read in self._reads.items():
             if read.busy or read.closed or not read.asked:
                 continue
             if read.pair is None:
-                read.pair = staging.pairs.take()
+                read.pair = None if waiting else staging.pairs.take()
                 if read.pair is None:
-                    return  # later reads wait behind this one
+                    waiting = True
+                    continue
             read.busy = True
             self._pool.submit(self._gather, staging, ident, request_id, read.runs, read.pair, read.asked.popleft())
 
