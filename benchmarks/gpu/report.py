@@ -20,7 +20,7 @@ def notes(bench: Bench) -> list[str]:
     return [
         f"staged: both ranks stage through {staging.slot_bytes >> 20} MiB slots of a "
         f"{staging.span.size_bytes >> 20} MiB buffer ({staging.pairs.count} pairs each); batch = slots read",
-        "push posts directly: a staged push (SGLang's path) does not exist yet",
+        "push rows post the plan directly; SGLang's staged push runs in its manager (tests/sglang), not here",
         "pull/staged seconds: the read; load_s adds the claim's round trip and, with digests, both sides' digests",
     ]
 
