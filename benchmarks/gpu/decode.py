@@ -65,12 +65,14 @@ class Decode:
         }
         self.child = Child(job)
         try:
-            self.raw, self.transport = transports(self.kind, self.caches, self.flat, (RAW_DECODE, DECODE_AGENT), "READ")
+            self.raw, self.transport = transports(self.caches, self.flat, (RAW_DECODE, DECODE_AGENT), "READ")
             regions = self.caches.regions
             self.staging = self.kind.staging(
                 self.transport, regions, size_bytes=sizes["staging_bytes"], slot_bytes=sizes["slot_bytes"]
             )
-            local = endpoint(DECODE, self.kind, self.caches, self.transport, self.staging)
+            local = endpoint(
+                DECODE, self.kind.endpoint_extras(self.caches.regions), self.caches, self.transport, self.staging
+            )
             self.decode = DecodeService(local, timeout_s=TIMEOUT_S, verify_digests=False)
         except BaseException:
             self.child.close()

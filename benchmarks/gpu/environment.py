@@ -10,10 +10,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from benchmarks.gpu.memory import HostKind
+from typing import Any
 
 
 class UcxLog:
@@ -56,9 +53,10 @@ def version(dist: str) -> str:
         return "unknown"
 
 
-def environment(kind: HostKind) -> dict[str, Any]:
+def environment(machine: dict[str, Any]) -> dict[str, Any]:
+    """``machine`` (what the memory kind says of its device) with the software the run used."""
     return {
-        **kind.describe(),
+        **machine,
         "python": sys.version.split()[0],
         "nixl": version("nixl"),
         "nixl_cu": version("nixl-cu13") if version("nixl-cu13") != "unknown" else version("nixl-cu12"),

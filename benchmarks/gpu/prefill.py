@@ -47,11 +47,11 @@ class Prefill:
         self.kind = memory_kind(job["memory"])
         self.caches = self.kind.caches(job["pool_pages"])
         self.flat, self._flat_buf = self.kind.flat(job["bytes"])
-        self.raw, self.transport = transports(self.kind, self.caches, self.flat, (RAW_PREFILL, PREFILL_AGENT), "WRITE")
+        self.raw, self.transport = transports(self.caches, self.flat, (RAW_PREFILL, PREFILL_AGENT), "WRITE")
         staging = self.kind.staging(
             self.transport, self.caches.regions, size_bytes=job["staging_bytes"], slot_bytes=job["slot_bytes"]
         )
-        local = endpoint(PREFILL, self.kind, self.caches, self.transport, staging)
+        local = endpoint(PREFILL, self.kind.endpoint_extras(self.caches.regions), self.caches, self.transport, staging)
         self.service = PrefillService(
             local, host="127.0.0.1", port=0, lease_s=TIMEOUT_S, timeout_s=TIMEOUT_S, streamed=True
         )

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from benchmarks.gpu.memory import HostKind
     from glm_pd_common.layout.regions import Region
     from glm_pd_common.layout.spec import CacheSpec
     from glm_pd_common.transport.base import Op, Transport
@@ -47,7 +46,7 @@ def spec() -> CacheSpec:
     return CacheSpec.create(ModelGeometry.preset("glm-5.3"))
 
 
-def transports(kind: HostKind, caches: Any, flat: Region, names: tuple[str, str], posts: Op) -> tuple[Any, Any]:
+def transports(caches: Any, flat: Region, names: tuple[str, str], posts: Op) -> tuple[Any, Any]:
     """A flat buffer's raw agent and the caches' service agent (``posts``: its operation, whose GPU path it probes
     at registration and reports)."""
     from glm_pd_common.transport.base import TransportConfig
@@ -60,13 +59,12 @@ def transports(kind: HostKind, caches: Any, flat: Region, names: tuple[str, str]
     return raw, service
 
 
-def endpoint(engine_id: str, kind: HostKind, caches: Any, transport: Transport, staging: Staging) -> Any:
+def endpoint(engine_id: str, extras: dict[str, Any], caches: Any, transport: Transport, staging: Staging) -> Any:
     """The rank as its service sees it, staging buffer included (registered with ``transport`` before the
-    handshake, so the peer's agent knows it)."""
+    handshake, so the peer's agent knows it); ``extras``: the memory kind's own fields (its reader, thread set-up)."""
     from glm_pd_common.handoff.wire.handshake import Endpoint
     from glm_pd_common.layout.fingerprint import PeerShape
 
-    extras = kind.endpoint_extras(caches.regions)
     shape = PeerShape(PAGE_TOKENS, 1, 0)
     return Endpoint(engine_id, spec(), caches.regions, transport, shape, staging=staging, **extras)
 

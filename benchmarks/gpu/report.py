@@ -35,7 +35,7 @@ def build(bench: Bench) -> dict[str, Any]:
         of_ceiling, of_op = ratios(row, raw)
         rows.append({**dataclasses.asdict(row), "gbps": row.gbps, "of_ceiling": of_ceiling, "of_raw_op": of_op})
     return {
-        "environment": environment(d.kind),
+        "environment": environment(d.kind.describe()),
         "geometry": {
             "model": "glm-5.3",
             "cache_dtype": s.cache_dtype,

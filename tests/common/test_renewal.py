@@ -16,7 +16,8 @@ import numpy as np
 
 from glm_pd_common.handoff.decode import renewals
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
-from glm_pd_common.handoff.prefill.service import Finished, PrefillService
+from glm_pd_common.handoff.prefill.lease import Finished
+from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.protocol import renew_interval
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.spec import CacheSpec

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
-from glm_pd_common.handoff.prefill.service import Finished, PrefillService
+from glm_pd_common.handoff.prefill.lease import Finished
+from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.layout.shards import Sharding, token_shard

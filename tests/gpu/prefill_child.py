@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from glm_pd_common.handoff.prefill.service import Finished, PrefillService
+from glm_pd_common.handoff.prefill.lease import Finished
+from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.fingerprint import PeerShape
 from glm_pd_common.transport.base import TransportConfig

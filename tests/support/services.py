@@ -16,7 +16,8 @@ import numpy as np
 
 from glm_pd_common.handoff.decode.service import DecodeService, LoadJob, LoadResult, RemotePrefill
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
-from glm_pd_common.handoff.prefill.service import Finished, PrefillService
+from glm_pd_common.handoff.prefill.lease import Finished
+from glm_pd_common.handoff.prefill.service import PrefillService
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION

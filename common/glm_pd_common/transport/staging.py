@@ -14,7 +14,6 @@ on DRAM; ``torch_mover`` with the engine's torch on either memory (the core impo
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -28,7 +27,7 @@ from glm_pd_common.layout.plan import TransferPlan
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.slots import Packed, pack_runs
 from glm_pd_common.transport.base import Span, Transport
-from glm_pd_common.transport.memory import DeviceBytes
+from glm_pd_common.transport.memory import DeviceBytes, host_view
 
 StageMode = Literal["auto", "always", "never"]
 STAGE_MODES: tuple[str, ...] = ("auto", "always", "never")
@@ -71,7 +70,8 @@ def _bounds(spans: Sequence[Span]) -> tuple[int, int]:
 
 
 def _host_bytes(addr: int, length: int) -> np.ndarray:
-    return np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
+    """Host memory as a writable uint8 array, without a copy (``memory.host_view``)."""
+    return np.frombuffer(host_view(addr, length), dtype=np.uint8)
 
 
 class HostMover:
@@ -149,9 +149,6 @@ class TorchMover:
             slot = self._bytes(source, int(lengths.sum())).view(-1, row)
             rows.index_copy_(0, index, slot)
             self._done()
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class SlotPairs:

@@ -50,6 +50,25 @@ from glm_pd_common.layout.plan import TransferPlan
 Waiting = Union[protocol.TransferRequest, protocol.Done]  # what decode may send before the pages are held
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A request whose prefill pages may be freed, and why (what the service hands the engine)."""
+
+    request_id: str
+    outcome: str  # released | aborted | expired
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The engine's grant of a finished request's pages, on its way to the service thread."""
+
+    lease_id: str
+    pages: np.ndarray
+    ready: ReadyEvent | None
+    stream: tuple[str, int] | None  # a streamed request's (transfer id, prompt tokens)
+
+
 class LeaseState(enum.Enum):
     AWAITED = "awaited"
     UNREADY = "unready"

@@ -5,11 +5,12 @@ that peer's proof (the same decode process on a new connection): another peer bo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from glm_pd_common.errors import GlmPdError, ProtocolError
 from glm_pd_common.handoff.wire import protocol
-from glm_pd_common.handoff.wire.handshake import PeerView, same_proof
+from glm_pd_common.handoff.wire.handshake import Endpoint, PeerView, accept_hello, same_proof
 
 
 @dataclass
@@ -78,3 +79,36 @@ class DecodePeers:
 
     def silent(self, now: float) -> list[DecodePeer]:
         return [p for p in self._by_ident.values() if now - p.last_seen > self.idle_s]
+
+
+def admit(
+    peers: DecodePeers,
+    local: Endpoint,
+    ident: bytes,
+    hello: protocol.Hello,
+    now: float,
+    forget: Callable[[bytes, str], None],
+) -> str:
+    """Make a hello's decode a peer: within the cap, its hello checked, never evicting a live peer it cannot prove
+    to be, its agent loaded (``forget`` drops what it replaces: this connection's earlier peer and the agent's
+    older connections). Returns why it was refused ("" when admitted); a refused hello evicts nobody."""
+    if full := peers.full(ident):
+        return full
+    try:
+        peer = accept_hello(local.spec, hello, backend=local.transport.backend, role="decode", local_role="prefill")
+    except GlmPdError as exc:
+        return str(exc)
+    if why := peers.impostor(ident, peer.agent_name, hello.proof, now):
+        return why
+    forget(ident, "it said hello again")
+    try:
+        for other in peers.named(peer.agent_name):
+            forget(other, "its agent said hello on a new connection (a restart or a re-handshake)")
+        agent = local.transport.add_peer(peer.agent_metadata, peer.spans)
+        if agent != peer.agent_name:
+            local.transport.remove_peer(agent)
+            raise ProtocolError(f"decode {hello.engine_id} says agent {peer.agent_name!r}, its metadata {agent!r}")
+    except GlmPdError as exc:
+        return str(exc)
+    peers.add(DecodePeer(ident, peer, agent, now, hello.proof))
+    return ""

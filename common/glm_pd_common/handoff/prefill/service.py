@@ -37,50 +37,30 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from glm_pd_common.counted_log import CountedLog
-from glm_pd_common.errors import GlmPdError, LeaseExpired, ProtocolError
+from glm_pd_common.errors import GlmPdError, LeaseExpired
 from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.clock import ServiceClock
 from glm_pd_common.handoff.prefill.digesting import ClaimDigests, Digested, page_answer
-from glm_pd_common.handoff.prefill.lease import Lease, LeaseState, LeaseTable
+from glm_pd_common.handoff.prefill.lease import Finished, Grant, Lease, LeaseState, LeaseTable
 from glm_pd_common.handoff.prefill.pairing import claim_plan, expected_releases_from
-from glm_pd_common.handoff.prefill.peers import DecodePeer, DecodePeers
+from glm_pd_common.handoff.prefill.peers import DecodePeers, admit
 from glm_pd_common.handoff.prefill.ready import ReadyEvent
 from glm_pd_common.handoff.prefill.staged import GatherDone, StagedReads
 from glm_pd_common.handoff.prefill.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.handoff.queues import drain
 from glm_pd_common.handoff.wire import protocol
-from glm_pd_common.handoff.wire.handshake import Endpoint, accept_hello
+from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION, FailureCode
 from glm_pd_common.handoff.wire.sidechannel import SideChannelServer, SideChannelTimeout
 
 logger = logging.getLogger(__name__)
 
 _QUEUED_PER_TURN = 256  # messages answered before expiry each turn; more wait a turn (grants are not starved)
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A request whose prefill pages may be freed, and why."""
-
-    request_id: str
-    outcome: str  # released | aborted | expired
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class _Grant:
-    """The engine's grant, on its way to the service thread."""
-
-    lease_id: str
-    pages: np.ndarray
-    ready: ReadyEvent | None
-    stream: tuple[str, int] | None  # a streamed request's (transfer id, prompt tokens)
 
 
 class PrefillService:
@@ -113,7 +93,7 @@ class PrefillService:
         self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
         self._decodes = DecodePeers(caps.peers, peer_idle_s)
         # engine calls in order, and claims' digests back from their threads
-        self._inbox: queue.SimpleQueue[_Grant | StreamCall | Advance | Digested | GatherDone] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Grant | StreamCall | Advance | Digested | GatherDone] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()  # what the engine may free
         self._stop = threading.Event()
         # a claim's digests (seconds for a GPU region's copies) are computed here, never on the service thread
@@ -131,7 +111,7 @@ class PrefillService:
     def grant(self, request_id: str, pages: np.ndarray, ready: ReadyEvent | None = None) -> None:
         """Hold a finished request's full page table for decode. Its lease starts now, or with ``ready``
         once that event completes: no claim is answered before (the GPU may still be writing the pages)."""
-        self._inbox.put(_Grant(request_id, np.asarray(pages, dtype=np.int64), ready, None))
+        self._inbox.put(Grant(request_id, np.asarray(pages, dtype=np.int64), ready, None))
         self.server.wake()
 
     def open_stream(self, transfer_id: str, num_tokens: int) -> None:
@@ -156,7 +136,7 @@ class PrefillService:
         self, lease_id: str, transfer_id: str, pages: np.ndarray, num_tokens: int, ready: ReadyEvent | None = None
     ) -> None:
         """``grant`` for a streamed request of ``num_tokens``: subscribers are told the lease once it is held."""
-        self._inbox.put(_Grant(lease_id, np.asarray(pages, dtype=np.int64), ready, (transfer_id, num_tokens)))
+        self._inbox.put(Grant(lease_id, np.asarray(pages, dtype=np.int64), ready, (transfer_id, num_tokens)))
         self.server.wake()
 
     def finished(self) -> list[Finished]:
@@ -196,7 +176,7 @@ class PrefillService:
 
     def _step(self) -> None:
         for call in drain(self._inbox):
-            if isinstance(call, _Grant):
+            if isinstance(call, Grant):
                 self._on_grant(call)
             elif isinstance(call, Digested):
                 self._on_digested(call)
@@ -276,38 +256,14 @@ class PrefillService:
 
     def _on_hello(self, ident: bytes, msg: protocol.Hello) -> None:
         t0 = time.monotonic()
-        if full := self._decodes.full(ident):
-            self._fail(ident, "", full, "refused_peer")
-            return
-        try:  # a hello that fails its checks evicts nobody
-            peer = accept_hello(
-                self.local.spec, msg, backend=self.local.transport.backend, role="decode", local_role="prefill"
-            )
-        except GlmPdError as exc:
-            logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
-            self._fail(ident, "", str(exc), "refused_peer")
-            return
-        if why := self._decodes.impostor(ident, peer.agent_name, msg.proof, self._clock.now()):
-            logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, why)
+        if why := admit(self._decodes, self.local, ident, msg, self._clock.now(), self._forget):
+            logger.warning("glm-pd prefill: refused decode %s: %s", protocol.clip(msg.engine_id, 80), why)
             self._fail(ident, "", why, "refused_peer")
             return
-        self._forget(ident, "it said hello again")
-        try:
-            for other in self._decodes.named(peer.agent_name):
-                self._forget(other, "its agent said hello on a new connection (a restart or a re-handshake)")
-            agent = self.local.transport.add_peer(peer.agent_metadata, peer.spans)
-            if agent != peer.agent_name:
-                self.local.transport.remove_peer(agent)
-                raise ProtocolError(f"decode {msg.engine_id} says agent {peer.agent_name!r}, its metadata {agent!r}")
-        except GlmPdError as exc:
-            logger.warning("glm-pd prefill: refused decode %s: %s", msg.engine_id, exc)
-            self._fail(ident, "", str(exc), "refused_peer")
-            return
-        self._decodes.add(DecodePeer(ident, peer, agent, self._clock.now(), msg.proof))
         self.server.send(ident, self.local.hello(self.local.transport.metadata()))
         logger.info("glm-pd prefill: decode %s accepted in %.1f ms", msg.engine_id, (time.monotonic() - t0) * 1e3)
 
-    def _on_grant(self, grant: _Grant) -> None:
+    def _on_grant(self, grant: Grant) -> None:
         lease = self._leases.get(grant.lease_id)
         if lease is not None and lease.state is not LeaseState.AWAITED:
             # Two live requests under one id cannot both be served safely: neither is.
