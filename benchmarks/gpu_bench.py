@@ -20,7 +20,8 @@ buffer (``--staging-mib`` in ``--slot-mib`` slots). Rows, all from one run so th
   on host memory a host sleep), records each chunk's CUDA event and announces it with it
   (``advance_stream(..., ready=event)``), then grants the lease; decode loads with a ``stream_id``. Its seconds are
   the exposed handoff: decode's load end minus the last chunk's event (both on the system's monotonic clock).
-  The pace defaults to the shuffled pull's read over 16, so prefill writes about as fast as the link moves it.
+  The pace defaults to the shuffled pull's read over 16, so prefill writes about as fast as the link moves it;
+- ``staged streamed``: the same, each announced span read through both ranks' staging slots, against ``staged``.
 
 Each row is the median of ``--repeats`` runs (fewer where a row's runs pass ``--row-budget-s``), after warm-ups that
 connect the agents and map every region. ``of ceiling`` is a row's rate over the faster raw rate, ``of raw op`` over

@@ -96,4 +96,6 @@ class Bench:
         pull = find(self.rows, "pull", "shuffled")
         chunk_s = self.args.chunk_ms / 1e3 if self.args.chunk_ms else (pull.seconds / CHUNKS if pull else 0.05)
         self.measure(Row("streamed", pool="shuffled", op="READ"), partial(runners.streamed, d, chunk_s))
+        staged = Row("staged streamed", pool="shuffled", op="READ")
+        self.measure(staged, partial(runners.streamed, d, chunk_s, staged=True))
         attribute(self.rows, d)

@@ -82,11 +82,11 @@ def print_report(report: dict[str, Any]) -> None:
         f"setup {report['setup_s']} s, total {report['total_s']} s"
     )
     print(
-        f"{'row':<9} {'pool':<10} {'dig':<3} {'op':<5} {'MB':>9} {'runs':>8} {'batch':>5} {'seconds':>9} "
+        f"{'row':<15} {'pool':<10} {'dig':<3} {'op':<5} {'MB':>9} {'runs':>8} {'batch':>5} {'seconds':>9} "
         f"{'GB/s':>8} {'of ceil':>8} {'of op':>7}  UCX path"
     )
     for r in report["rows"]:
-        head = f"{r['case']:<9} {r['pool']:<10} {'on' if r['digests'] else 'off':<3} {r['op']:<5}"
+        head = f"{r['case']:<15} {r['pool']:<10} {'on' if r['digests'] else 'off':<3} {r['op']:<5}"
         if r["skipped"]:
             print(f"{head} skipped: {r['skipped']}")
             continue

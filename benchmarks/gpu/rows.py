@@ -16,12 +16,12 @@ DIGEST_MODES: tuple[str, ...] = ("pull", "staged")  # measured with digests on t
 
 @dataclass
 class Row:
-    case: str  # raw | copy | gather | a mode of MODES | streamed
+    case: str  # raw | copy | gather | a mode of MODES | streamed | staged streamed
     pool: str = ""  # contiguous | shuffled; "" where no page table is involved
     digests: bool = False
     op: str = ""  # READ | WRITE: the NIXL operation (which raw rate is its own); "" for the memory's copies
     bytes: int = 0
-    seconds: float = 0.0  # the median run (streamed: the exposed handoff)
+    seconds: float = 0.0  # the median run (streamed, staged streamed: the exposed handoff)
     runs: int = 0  # descriptors posted (copy: 1, gather: rows)
     batches: int = 0  # posted batches; a staged load's slots count one each
     path: str = ""  # UCX's path for this row's operation in one word (datapath.PATHS), or the copy's engine
@@ -32,7 +32,7 @@ class Row:
 
     @property
     def gbps(self) -> float | None:
-        if self.skipped or self.case == "streamed" or self.seconds <= 0:
+        if self.skipped or self.case.endswith("streamed") or self.seconds <= 0:
             return None
         return self.bytes / self.seconds / 1e9
 

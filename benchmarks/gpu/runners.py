@@ -66,15 +66,16 @@ def push(d: Decode, pool: str, tokens: int) -> Sample:
     return Sample(got["seconds"], got["bytes"], got["runs"])
 
 
-def streamed(d: Decode, chunk_s: float) -> Sample:
-    """One streamed load of the shuffled pool, posted directly: decode subscribes, prefill writes and announces its
-    chunks. Its seconds are the exposed handoff: decode's load end minus the last chunk's end."""
+def streamed(d: Decode, chunk_s: float, staged: bool = False) -> Sample:
+    """One streamed load of the shuffled pool, posted directly (``staged``: each announced span through both
+    ranks' staging slots): decode subscribes, prefill writes and announces its chunks. Its seconds are the exposed
+    handoff: decode's load end minus the last chunk's end."""
     from glm_pd_common.handoff.decode.loads import LoadJob, RemotePrefill
 
     tid, port = d.next_id("stream"), d.child.hello["port"]
     d.child.ask({"op": "open_stream", "transfer_id": tid, "tokens": d.args.tokens})
     d.decode.verify_digests = False
-    d.staging.mode = "never"
+    d.staging.mode = "always" if staged else "never"
     where = RemotePrefill(f"127.0.0.1:{port}", "127.0.0.1", port, 0)  # a streamed request's params: the address
     job = LoadJob(tid, where, np.empty(0, np.int64), d.tables["shuffled"][1], d.args.tokens, 0, stream_id=tid)
     d.decode.submit(job)

@@ -52,9 +52,10 @@ def targets(rows: list[Row], paths: list[tuple[str, str, str]]) -> list[Target]:
             if off is not None and on is not None and off.seconds > 0:
                 cost = (on.extra["load_s"] - off.extra["load_s"]) / off.seconds
             out.append(_at_most(f"{mode} {pool}: digests of transfer", cost, DIGESTS_MAX))
-    streamed, pull = find(rows, "streamed", "shuffled"), find(rows, "pull", "shuffled")
-    exposed = streamed.seconds / pull.seconds if streamed and pull and pull.seconds > 0 else None
-    out.append(_at_most("streamed exposure of pull", exposed, STREAMED_MAX))
+    for streamed, pulled in (("streamed", "pull"), ("staged streamed", "staged")):
+        stream, pull = find(rows, streamed, "shuffled"), find(rows, pulled, "shuffled")
+        exposed = stream.seconds / pull.seconds if stream and pull and pull.seconds > 0 else None
+        out.append(_at_most(f"{streamed} exposure of {pulled}", exposed, STREAMED_MAX))
     for who, reported, observed in paths:
         ok = bool(observed) and reported == observed
         detail = f"glm-pd reports {reported!r}, UCX_PROTO_INFO shows {observed or 'no table'!r}"

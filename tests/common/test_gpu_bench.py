@@ -58,6 +58,7 @@ def test_targets_judge_rates_against_the_faster_raw_rate_and_name_what_was_not_m
         Row("pull", "shuffled", op="READ", bytes=gb, seconds=0.1, extra={"load_s": 0.1}),
         Row("staged", "shuffled", op="READ", bytes=gb, seconds=0.05, batches=16, extra={"load_s": 0.05}),
         Row("streamed", "shuffled", op="READ", bytes=gb, seconds=0.01),
+        Row("staged streamed", "shuffled", op="READ", bytes=gb, seconds=0.01),
     ]
     got = {t.name: t for t in targets(rows, [("decode READ", "tcp", "emulation")])}
     staged = got["staged shuffled of raw"]
@@ -71,6 +72,8 @@ def test_targets_judge_rates_against_the_faster_raw_rate_and_name_what_was_not_m
     assert got["pull shuffled: digests of transfer"].ok is None
     exposure = got["streamed exposure of pull"]
     assert exposure.ok is True and exposure.measured == pytest.approx(0.1)
+    staged_exposure = got["staged streamed exposure of staged"]
+    assert staged_exposure.ok is False and staged_exposure.measured == pytest.approx(0.2)
     assert got["decode READ: reported path is UCX's"].ok is False
 
 

@@ -1,6 +1,8 @@
 """The services with context-parallel caches, in one process on real NIXL agents and host caches: each decode
 rank claims from every prefill rank it reads (several per request under sharding), pulls exactly its share,
-verifies digests, and every prefill rank's lease ends released."""
+verifies digests, and every prefill rank's lease ends released. Streamed, every prefill rank announces the
+request in steps, each step's tokens written (over stale content) just before they are announced, and decode
+reads each rank's share as it comes."""
 
 from __future__ import annotations
 
@@ -52,9 +54,11 @@ def run_request(
     num_tokens: int,
     prefix_tokens: int,
     slot_bytes: int = 0,
+    streamed: bool = False,
 ) -> tuple[list[LoadResult], list[Finished], list[HostCaches], np.ndarray]:
-    """Prefill ranks hold the request in shared page tables; every decode rank loads it. Returns decode's
-    results, every prefill rank's lease outcome, decode's caches and decode's page table."""
+    """Prefill ranks hold the request in shared page tables; every decode rank loads it (``streamed``: while
+    prefill announces it in steps). Returns decode's results, every prefill rank's lease outcome, decode's caches
+    and decode's page table."""
     (p_tp, p_pt, p_sh), (d_tp, d_pt, d_sh) = prefill, decode
     p_span, d_span = p_pt * p_sh.token_shards, d_pt * d_sh.token_shards
     p_pages, d_pages = -(-num_tokens // p_span), -(-num_tokens // d_span)
@@ -67,19 +71,28 @@ def run_request(
     try:
         for r in range(p_tp):
             rank = Rank(spec, "prefill", PeerShape(p_pt, p_tp, r, sharding=p_sh), p_pages + 2, slot_bytes)
-            rank.caches.write_tokens(p_table, 0, num_tokens, seed=SEED)
+            rank.caches.write_tokens(p_table, 0, num_tokens, seed=SEED + 1 if streamed else SEED)
             prefills.append(rank)
-            service = PrefillService(rank.local, host="127.0.0.1", port=base + r, lease_s=30.0, timeout_s=TIMEOUT_S)
+            service = PrefillService(
+                rank.local, host="127.0.0.1", port=base + r, lease_s=30.0, timeout_s=TIMEOUT_S, streamed=streamed
+            )
             services.append(service)
-            service.grant("req", p_table)
-        remote = RemotePrefill("prefill", "127.0.0.1", base, p_tp, p_sh)
+            if streamed:
+                service.open_stream("req", num_tokens)
+            else:
+                service.grant("req", p_table)
+        # streamed params name prefill's address only: rank 0's hello says the rest
+        remote = RemotePrefill("prefill", "127.0.0.1", base, 0 if streamed else p_tp, p_sh)
         for r in range(d_tp):
             rank = Rank(spec, "decode", PeerShape(d_pt, d_tp, r, sharding=d_sh), d_pages + 5, slot_bytes)
             rank.caches.write_tokens(d_table, 0, prefix_tokens, seed=SEED)  # its prefix hit
             decodes.append(rank)
             loader = DecodeService(rank.local, timeout_s=TIMEOUT_S, verify_digests=True)
             loaders.append(loader)
-            loader.submit(LoadJob("req", remote, p_table, d_table, num_tokens, prefix_tokens))
+            stream_id = "req" if streamed else ""
+            loader.submit(LoadJob("req", remote, p_table, d_table, num_tokens, prefix_tokens, stream_id=stream_id))
+        if streamed:
+            announce(prefills, services, p_table, p_span, num_tokens)
         results = [wait_for(loader.results, bool, 60.0)[0] for loader in loaders]
         ended: list[Finished] = []
         for service in services:
@@ -94,6 +107,22 @@ def run_request(
             rank.local.transport.close()
 
 
+def announce(
+    prefills: list[Rank], services: list[PrefillService], table: np.ndarray, span: int, num_tokens: int
+) -> None:
+    """Prefill's steps: each writes its tokens on every rank, then announces them with the pages they are in (as
+    the engine does once the step's event completed); the last one grants the lease."""
+    done = 0
+    for upto in (num_tokens // 5, num_tokens // 2 + 7, num_tokens - 30, num_tokens):
+        for rank in prefills:
+            rank.caches.write_tokens(table, done, upto, seed=SEED)
+        for service in services:
+            service.advance_stream("req", table[-(-done // span) : -(-upto // span)], upto)
+        done = upto
+    for service in services:
+        service.grant_stream("req#0", "req", table, num_tokens)
+
+
 @pytest.mark.parametrize(
     ("prefill", "decode", "prefix"),
     [
@@ -105,12 +134,13 @@ def run_request(
     ids=["dcp2-to-dcp2", "dcp2-to-replicated", "layer-split-to-dcp2", "replicated-to-dcp4"],
 )
 @pytest.mark.parametrize("slot_bytes", [0, 16384], ids=["direct", "staged"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["pull", "streamed"])
 def test_every_decode_rank_loads_its_share_and_every_prefill_lease_is_released(
-    small_spec, prefill, decode, prefix, slot_bytes
+    small_spec, prefill, decode, prefix, slot_bytes, streamed
 ):
     """Staged (16 KiB slots, many per request, cutting runs mid-page), every byte lands as posted directly."""
     num_tokens = 700
-    results, ended, caches, d_table = run_request(small_spec, prefill, decode, num_tokens, prefix, slot_bytes)
+    results, ended, caches, d_table = run_request(small_spec, prefill, decode, num_tokens, prefix, slot_bytes, streamed)
     for rank, (result, held) in enumerate(zip(results, caches, strict=True)):
         assert result.ok, f"decode rank {rank}: {result.reason}"
         assert held.mismatched_tokens(d_table, 0, num_tokens, seed=SEED) == [], f"decode rank {rank}"

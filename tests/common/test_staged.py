@@ -193,7 +193,7 @@ def test_slot_requests_outside_a_decodes_own_staged_claim_are_refused(small_spec
         owner.send(protocol.Gather(v=V, request_id="r", slot=slots))
         assert f"slot {slots} of a read of {slots} slots" in _refusal(owner, "invalid_params")
         other.send(protocol.Gather(v=V, request_id="r", slot=0))  # not its claim: nothing is gathered for it
-        assert "no claimed lease of this decode" in _refusal(other, "lease_expired")
+        assert "no claimed lease or subscription of this decode" in _refusal(other, "lease_expired")
         for k in (0, 1, 1, 3):  # the second 1 again, then 3 before 2: each refused, naming the slot expected
             owner.send(protocol.Gather(v=V, request_id="r", slot=k))
         answers = [owner.recv(10.0) for _ in range(4)]

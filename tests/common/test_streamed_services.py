@@ -69,9 +69,21 @@ def landed(decode: Decode, upto: int, since: int = 0) -> bool:
     return upto <= since or not decode.caches.mismatched_tokens(np.arange(NUM_PAGES), since, upto, seed=SEED)
 
 
+@pytest.mark.parametrize("slot_bytes", [0, 8192], ids=["direct", "staged"])
 @pytest.mark.parametrize("prefix_pages", [0, 2])
-def test_chunks_land_while_prefill_runs_and_the_lease_brings_the_rest(pair, prefix_pages) -> None:
-    prefill, decode = pair
+def test_chunks_land_while_prefill_runs_and_the_lease_brings_the_rest(small_spec, prefix_pages, slot_bytes) -> None:
+    """Staged: every announced span and the tail after the lease are read in 8 KiB slots (tens per span), each
+    cut mid-page; what lands is what posting the runs directly lands."""
+    prefill = streamed_prefill(small_spec, slot_bytes=slot_bytes, pairs=1)
+    decode = Decode(small_spec, slot_bytes=slot_bytes)
+    try:
+        _chunks_land(prefill, decode, prefix_pages, slot_bytes)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _chunks_land(prefill: Prefill, decode: Decode, prefix_pages: int, slot_bytes: int) -> None:
     num_tokens, prefix = 9 * PAGE_TOKENS + 17, prefix_pages * PAGE_TOKENS
     decode.caches.write_tokens(np.arange(NUM_PAGES), 0, prefix, seed=HELD)
     prefill.service.open_stream("t1", num_tokens)
@@ -89,11 +101,40 @@ def test_chunks_land_while_prefill_runs_and_the_lease_brings_the_rest(pair, pref
     assert result.ok, result.reason
     wrong = decode.caches.mismatched_tokens(np.arange(NUM_PAGES), prefix, num_tokens, seed=SEED)
     assert not wrong, wrong
+    moved = sum(result.bytes_by_kind.values())
+    pages = -(-num_tokens // PAGE_TOKENS) - prefix_pages  # equal page sizes: whole pages travel
+    assert moved == sum(r.page_bytes for r in decode.local.regions) * pages, result.bytes_by_kind
+    assert result.staged_bytes == (moved if slot_bytes else 0), result
     assert prefill.finished("t1#0", 5.0).outcome == "released"
     assert not decode.caches.mismatched_tokens(np.arange(NUM_PAGES), 0, prefix, seed=HELD), "prefix overwritten"
-    assert wait_for(prefill.service.leftovers, lambda h: h.items() >= NO_STREAMS.items(), 5.0).items() >= (
-        NO_STREAMS.items()
-    )
+    empty = {**NO_STREAMS, "staging_pairs": 0}
+    assert wait_for(prefill.service.leftovers, lambda h: h.items() >= empty.items(), 5.0).items() >= empty.items()
+    assert decode.local.staging is None or decode.local.staging.pairs.lent() == 0
+
+
+@pytest.mark.parametrize("slot_bytes", [0, 8192], ids=["direct", "staged"])
+def test_steps_announced_back_to_back_land_whole(small_spec, slot_bytes) -> None:
+    """Prefill announces every step and the lease without waiting for decode: staged, the announcements arrive
+    while decode waits for a slot (each is kept for the stream's reader, none lost or read twice)."""
+    prefill = streamed_prefill(small_spec, slot_bytes=slot_bytes, pairs=1)
+    decode = Decode(small_spec, slot_bytes=slot_bytes)
+    try:
+        num_tokens = 10 * PAGE_TOKENS - 3
+        prefill.service.open_stream("t2", num_tokens)
+        start(decode, prefill, "t2", num_tokens)
+        done = 0
+        for upto in (PAGE_TOKENS + 1, 3 * PAGE_TOKENS, 5 * PAGE_TOKENS + 9, 7 * PAGE_TOKENS, num_tokens):
+            step(prefill, "t2", done, upto)
+            done = upto
+        finish(prefill, "t2", num_tokens)
+        result = result_of(decode)
+        assert result.ok, result.reason
+        assert not decode.caches.mismatched_tokens(np.arange(NUM_PAGES), 0, num_tokens, seed=SEED)
+        assert result.staged_bytes == (sum(result.bytes_by_kind.values()) if slot_bytes else 0)
+        assert prefill.finished("t2#0", 5.0).outcome == "released"
+    finally:
+        decode.close()
+        prefill.close()
 
 
 def test_decode_subscribing_before_prefill_has_the_request_waits_for_it(pair) -> None:

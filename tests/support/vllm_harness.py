@@ -13,6 +13,9 @@ from tests.support.lines import LineReader
 from tests.support.tiny_glm import TINY_GLM
 
 REPO = Path(__file__).parents[2]
+# The connector's extra config that sends every transfer through staging slots of 64 KiB (tens per request,
+# cutting runs mid-page); on host memory ``auto`` posts directly, so the staged cases say ``always``.
+STAGED = {"staging": "always", "staging_mib": 1, "staging_slot_kib": 64}
 
 
 def make_tiny_model(path: Path, **overrides) -> str:

@@ -8,11 +8,10 @@ import time
 
 import pytest
 
+from tests.support.vllm_harness import STAGED
+
 TOKENS = 1000  # blocks of 64 are asked for; the engine may choose another size, which the reports carry
 MOVED_PER_TOKEN = 7 * 656 + 4 * 132  # tiny model: 6 layers + MTP main rows; layers 0-2 + MTP indexer rows
-# both sides through staging slots of 64 KiB (tens per request, cutting runs mid-page); on host memory ``auto`` posts
-# directly, so the staged cases say ``always``
-STAGED = {"staging": "always", "staging_mib": 1, "staging_slot_kib": 64}
 
 
 def handoff(pd, prefill_kw=None, decode_kw=None, tamper=None):

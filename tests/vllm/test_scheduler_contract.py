@@ -17,6 +17,7 @@ from tests.support.device_double import DeviceDouble
 from tests.support.ports import free_port_range
 from tests.support.services import wait_for
 from tests.support.vllm_engine import Engine, _mismatched
+from tests.support.vllm_harness import STAGED
 
 PROMPT = 300  # tokens: five blocks of 64, ten of 32, nineteen of 16
 STREAM = 40  # tokens a healthy neighbour generates
@@ -258,13 +259,14 @@ def test_a_context_parallel_side_loads_and_decodes(pair, prefill_job, decode_job
     settled(prefill, decode)
 
 
-def test_a_streamed_request_is_read_while_prefill_computes_it(pair) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_a_streamed_request_is_read_while_prefill_computes_it(pair, staged: bool) -> None:
     """Streamed mode inside vLLM's own schedulers. Prefill runs chunked prefill (64 tokens a step: five steps for
     300 tokens); decode admitted the request at once, from the transfer id and prefill's address alone. After
     each prefill step, decode's own caches already hold every whole block vLLM's prefill scheduler had computed
     by then (read from decode's memory, against the request's content); then the request decodes, its first
-    forward checking every block."""
-    streamed = {"extra": {"streamed": True}}
+    forward checking every block. Staged: every read, while prefill runs and after, goes through slots."""
+    streamed = {"extra": {"streamed": True, **(STAGED if staged else {})}}
     prefill, decode = pair(32 * 64, {**streamed, "max_num_batched_tokens": 64}, **streamed)
     if not prefill.chunked_prefill:
         pytest.skip("this vLLM turned chunked prefill off (MLA on a CPU without AMX): one step, no chunk to stream")
@@ -292,6 +294,8 @@ def test_a_streamed_request_is_read_while_prefill_computes_it(pair) -> None:
     both(prefill, decode, lambda: decode.tracked["S"].finish is not None)
     s = decode.tracked["S"]
     assert s.finish == "length" and s.mismatched == [], s
+    moved = decode.counts["bytes_main"] + decode.counts["bytes_indexer"]
+    assert moved and decode.counts["bytes_staged"] == (moved if staged else 0), decode.counts
     settled(prefill, decode)
 
 

@@ -126,22 +126,43 @@ class PrefillLinks:
             self.local.transport.remove_peer(link.agent)
 
     def ask(
-        self, link: PrefillLink, msg: protocol.Message, request_id: str, want: tuple[type, ...], *, send: bool = True
+        self,
+        link: PrefillLink,
+        msg: protocol.Message,
+        request_id: str,
+        want: tuple[type, ...],
+        *,
+        send: bool = True,
+        keep: frozenset[str] = frozenset(),
     ) -> Any:
-        """Send (unless sent already) and wait for this request's answer; a late answer to an earlier request is
-        skipped, a ``Failed`` one raises ``Refused`` with prefill's reason."""
+        """Send (unless sent already) and wait for this request's answer; a ``Failed`` one raises ``Refused`` with
+        prefill's reason. What arrives meanwhile for a request in ``keep``, and this request's ``Progress`` (a
+        streamed transfer's, read while one of its slots is awaited), is put back for its own wait; a late answer
+        to an earlier request is skipped."""
         if send:
             link.client.send(msg)
+        kept: list[protocol.Message] = []
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            reply = link.client.recv(max(deadline - time.monotonic(), 0.001), progress=self._progress)
-            if getattr(reply, "request_id", None) != request_id:
-                continue
-            if isinstance(reply, protocol.Failed):
-                raise Refused(f"prefill {link.view.engine_id} refused {type(msg).__name__}: {reply.reason}", reply.code)
-            if isinstance(reply, want):
-                return reply
-            raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")
+        try:
+            while True:
+                reply = link.client.recv(max(deadline - time.monotonic(), 0.001), progress=self._progress)
+                about = getattr(reply, "request_id", None)
+                if about != request_id:
+                    if about in keep:
+                        kept.append(reply)
+                    continue
+                if isinstance(reply, protocol.Failed):
+                    raise Refused(
+                        f"prefill {link.view.engine_id} refused {type(msg).__name__}: {reply.reason}", reply.code
+                    )
+                if isinstance(reply, want):
+                    return reply
+                if isinstance(reply, protocol.Progress):
+                    kept.append(reply)
+                    continue
+                raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")
+        finally:
+            link.client.put_back(kept)
 
     def close(self) -> None:
         for link in self._links.values():

@@ -17,6 +17,7 @@ from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
 from glm_pd_common.handoff.decode.loads import LoadJob, LoadResult
 from glm_pd_common.handoff.decode.staged import read_staged
 from glm_pd_common.handoff.faults import FaultPoint
+from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.plan import TransferPlan
 from glm_pd_common.transport.base import Transfer, Transport
@@ -63,22 +64,8 @@ class Reads:
         with Batches(local.transport) as posted:
             for (peer, plan), slot_bytes in zip(pieces, slots, strict=True):
                 if slot_bytes:
-                    assert local.staging is not None  # slot_bytes_for staged only with a buffer here
-                    first = not posted and not staged
-                    staged += read_staged(
-                        self._links,
-                        peer,
-                        plan,
-                        job.lease_id,
-                        slot_bytes,
-                        local.staging,
-                        local.transport,
-                        self.timeout_s,
-                        partial(self._slot_fault, job, first),
-                    )
-                    result.staged_bytes += plan.num_bytes
-                    for kind, n in plan.bytes_by_kind().items():
-                        result.bytes_by_kind[kind] = result.bytes_by_kind.get(kind, 0) + n
+                    faults = partial(self._slot_fault, job, not posted and not staged)
+                    staged += self.staged(local, peer, plan, job.lease_id, slot_bytes, result, faults)
                     continue
                 layers = [entries for _, entries in plan.layers() if any(e.num_runs for e in entries)]
                 for entries in (layers[0] if layers else [], [e for rest in layers[1:] for e in rest]):
@@ -90,6 +77,39 @@ class Reads:
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
         count(result, posted, pieces, staged)
+
+    def staged(
+        self,
+        local: Endpoint,
+        peer: PrefillLink,
+        plan: TransferPlan,
+        request_id: str,
+        slot_bytes: int,
+        result: LoadResult,
+        between: Callable[[int], None] = lambda _: None,
+        *,
+        opening: protocol.StreamRead | None = None,
+        keep: frozenset[str] = frozenset(),
+    ) -> int:
+        """Read one source's plan in slots (``read_staged``) and count its bytes; returns the slots moved."""
+        assert local.staging is not None  # slot_bytes_for staged only with a buffer here
+        slots = read_staged(
+            self._links,
+            peer,
+            plan,
+            request_id,
+            slot_bytes,
+            local.staging,
+            local.transport,
+            self.timeout_s,
+            between,
+            opening=opening,
+            keep=keep,
+        )
+        result.staged_bytes += plan.num_bytes
+        for kind, n in plan.bytes_by_kind().items():
+            result.bytes_by_kind[kind] = result.bytes_by_kind.get(kind, 0) + n
+        return slots
 
     def _slot_fault(self, job: LoadJob, first: bool, k: int) -> None:
         """A staged load's fault points: before its first slot and between its first two, as a direct one's."""

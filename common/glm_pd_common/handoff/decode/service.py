@@ -13,9 +13,10 @@ lane of their prefill engine (its side-channel clients are that lane's alone) at
 while a load waits for an answer, to the ranks already connected. A transfer batch that hangs holds its
 lane's renewals until it times out; those renewals are for the same prefill, whose data path is then sick.
 A streamed load (``LoadJob.stream_id``) subscribes to every prefill rank it releases, reads each whole page as
-its source announces it written (one batch per announcement), and when the request finished there claims the
-lease for the rest as a pull would: prefill's digests of that claim cover every byte that streamed. ``cancel``
-ends a streamed load that waits for prefill (decode's client went); prefill is told, and drops its lease.
+its source announces it written (one batch per announcement, or staged slots where the plan stages), and when
+the request finished there claims the lease for the rest as a pull would: prefill's digests of that claim cover
+every byte that streamed. ``cancel`` ends a streamed load that waits for prefill (decode's client went); prefill
+is told, and drops its lease.
 """
 
 from __future__ import annotations
@@ -293,15 +294,36 @@ class DecodeService:
         handoff.advance(HandoffState.WAITING_FOR_INPUT)
         pieces: list[tuple[PrefillLink, TransferPlan, protocol.Claimed]] = []
         t0 = time.perf_counter()
-        posted = Batches(self.local.transport)
+        local = self.local
+        posted = Batches(local.transport)
+        staged = 0
 
         def read(i: int) -> None:
+            """Read the tokens feed ``i`` allows now: posted (waited for at the end), or staged slot by slot
+            (the messages of the transfer and of its lease that arrive meanwhile are kept for their readers)."""
+            nonlocal staged
             span = feeds[i].next_read(align, job.num_tokens)
-            if span is not None:
-                plan = self._plan(job, peers[i].view, serving[feeds[i].rank], None, feeds[i].table, span)
-                if plan.num_runs:
-                    posted.append(self.local.transport.post_plan(peers[i].agent, plan, "READ"))
-                feeds[i].read_to = span[1]
+            if span is None:
+                return
+            plan = self._plan(job, peers[i].view, serving[feeds[i].rank], None, feeds[i].table, span)
+            slot_bytes = slot_bytes_for(local.staging, peers[i], plan) if plan.num_runs else 0
+            if slot_bytes:
+                opening = protocol.StreamRead(
+                    v=PROTOCOL_VERSION,
+                    request_id=job.lease_id,
+                    num_tokens=span[1],
+                    prefix_tokens=span[0],
+                    src_pages=plan.src_pages.tolist(),
+                    dst_pages=plan.dst_pages.tolist(),
+                    slot_bytes=slot_bytes,
+                )
+                keep = frozenset(f.lease_id for f in feeds if f.lease_id)
+                staged += self._reads.staged(
+                    local, peers[i], plan, job.lease_id, slot_bytes, result, opening=opening, keep=keep
+                )
+            elif plan.num_runs:
+                posted.append(local.transport.post_plan(peers[i].agent, plan, "READ"))
+            feeds[i].read_to = span[1]
 
         clients = [p.client for p in peers]
         with posted:
@@ -345,7 +367,7 @@ class DecodeService:
                 pieces.append((peers[i], plan, answer))
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
-        count(result, posted, [(peer, plan) for peer, plan, _ in pieces])
+        count(result, posted, [(peer, plan) for peer, plan, _ in pieces], staged)
         for peer, plan, claim in pieces:
             if claim.digests is not None:
                 self._verify(peer, plan, claim.digests, feeds[0].lease_id)

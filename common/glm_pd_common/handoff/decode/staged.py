@@ -1,5 +1,7 @@
 """Decode's side of a staged read: ask prefill for each slot, read it as one descriptor into a slot of our own
-pair, scatter it into our pages (``transport.staging``).
+pair, scatter it into our pages (``transport.staging``). A claimed lease's read is opened by its claim; a
+streamed transfer's, over tokens prefill has announced, by a ``StreamRead`` and closed by a ``ReadDone``, so
+prefill's pair goes back while the transfer runs on.
 
 Slots 0 and 1 are asked at once; once slot ``k`` is read, slot ``k + 2`` is asked (prefill may reuse the slot
 ``k`` left) before ``k`` is scattered, so prefill's next gather overlaps our read and our scatter. Only the
@@ -37,15 +39,19 @@ def read_staged(
     links: PrefillLinks,
     peer: PrefillLink,
     plan: TransferPlan,
-    lease_id: str,
+    request_id: str,
     slot_bytes: int,
     staging: Staging,
     transport: Transport,
     timeout_s: float,
     between: Callable[[int], None],
+    *,
+    opening: protocol.StreamRead | None = None,
+    keep: frozenset[str] = frozenset(),
 ) -> int:
     """Read ``plan`` from ``peer`` in slots of ``slot_bytes``; returns the slots moved. ``between(k)`` runs before
-    slot ``k`` is read (fault points)."""
+    slot ``k`` is read (fault points). ``opening`` opens a streamed read first (``request_id`` is its transfer
+    id); what arrives meanwhile for a request in ``keep`` waits for its own reader (``PrefillLinks.ask``)."""
     runs = staged_runs(plan, slot_bytes)
     theirs = peer.view.staging
     assert theirs is not None  # slot_bytes_for chose staging with this peer
@@ -53,16 +59,19 @@ def read_staged(
     if pair is None:
         raise TransferFailed(f"no staging slot pair came free within {timeout_s:.0f} s ({staging.pairs.count} pairs)")
     try:
+        if opening is not None:
+            peer.client.send(opening)
         for k in range(min(2, runs.num_slots)):
-            peer.client.send(protocol.Gather(v=PROTOCOL_VERSION, request_id=lease_id, slot=k))
+            peer.client.send(protocol.Gather(v=PROTOCOL_VERSION, request_id=request_id, slot=k))
         for k in range(runs.num_slots):
             between(k)
             got = links.ask(
                 peer,
-                protocol.Gather(v=PROTOCOL_VERSION, request_id=lease_id, slot=k),
-                lease_id,
+                protocol.Gather(v=PROTOCOL_VERSION, request_id=request_id, slot=k),
+                request_id,
                 (protocol.Gathered,),
                 send=False,
+                keep=keep,
             )
             length = runs.slot_bytes(k)
             if got.slot != k or got.offset + length > theirs.size_bytes:
@@ -84,8 +93,13 @@ def read_staged(
             finally:
                 transport.release(xfer)
             if k + 2 < runs.num_slots:
-                peer.client.send(protocol.Gather(v=PROTOCOL_VERSION, request_id=lease_id, slot=k + 2))
+                peer.client.send(protocol.Gather(v=PROTOCOL_VERSION, request_id=request_id, slot=k + 2))
+            elif k + 1 == runs.num_slots and opening is not None:
+                peer.client.send(protocol.ReadDone(v=PROTOCOL_VERSION, request_id=request_id))  # before the scatter
+                opening = None
             staging.mover.scatter(here, *runs.side(k, "dst"))
     finally:
         staging.pairs.give(pair)
+        if opening is not None:  # given up mid-way: prefill's pair goes back now, not when the transfer ends
+            peer.client.send(protocol.ReadDone(v=PROTOCOL_VERSION, request_id=request_id))
     return runs.num_slots

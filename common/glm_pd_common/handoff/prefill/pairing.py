@@ -34,9 +34,12 @@ def expected_releases_from(local: Endpoint, decode: PeerView) -> int:
     return expected_releases(local.shape.tp_rank, *_layouts(local, decode))
 
 
-def claim_plan(local: Endpoint, decode: PeerView, held: np.ndarray, msg: protocol.TransferRequest) -> TransferPlan:
-    """The plan of ``msg`` over the pages the lease ``held``: its source pages must be exactly the suffix of
-    those this rank serves that decode rank (by the shared rule), or it is refused."""
+def claim_plan(
+    local: Endpoint, decode: PeerView, held: np.ndarray, msg: protocol.TransferRequest | protocol.StreamRead
+) -> TransferPlan:
+    """The plan of ``msg`` over the pages ``held`` (a lease's, or a streamed transfer's announced so far): its
+    source pages must be exactly the suffix of those this rank serves that decode rank (by the shared rule), or
+    it is refused."""
     source, theirs = _served(local, decode)
     own = suffix_pages(
         held,

@@ -28,6 +28,8 @@ reports what each step wrote (``advance_stream``, with the step's ready event: a
 once the GPU work writing them has completed, in step order), and grants its lease as in pull, naming the
 transfer. Subscribed decode ranks are sent each advance (``Progress``) and, once the lease is held, its id and
 the whole page table; they read while prefill still runs and claim the lease for the rest (``streams``).
+A staged read (``staged``) is opened by a claim that asks for slots, or by a subscriber's ``StreamRead`` over
+tokens already announced; it ends with decode's ``Done`` or ``ReadDone``, or with its lease or transfer.
 ``leftovers`` counts what is held, so a harness can check that nothing leaks.
 """
 
@@ -90,7 +92,6 @@ class PrefillService:
         self._clock = ServiceClock()
         self.server = SideChannelServer(host, port, local.trust, caps.connections)
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)  # one per lease
-        self._streams = StreamTable(timeout_s, self._clock.now)  # streamed transfers and their subscribers
         self._decodes = DecodePeers(caps.peers, peer_idle_s)
         # engine calls in order, and claims' digests back from their threads
         self._inbox: queue.SimpleQueue[Grant | StreamCall | Advance | Digested | GatherDone] = queue.SimpleQueue()
@@ -98,7 +99,9 @@ class PrefillService:
         self._stop = threading.Event()
         # a claim's digests (seconds for a GPU region's copies) are computed here, never on the service thread
         self._digests = ClaimDigests(local.memory, local.engine_id, local.on_thread, self._deliver)
-        self._staged = StagedReads(local.staging, local.engine_id, local.on_thread, self._deliver)  # staged claims
+        self._staged = StagedReads(local.staging, local.engine_id, local.on_thread, self._deliver)  # staged reads
+        # streamed transfers and their subscribers (a transfer's staged reads end with it)
+        self._streams = StreamTable(timeout_s, self._clock.now, on_end=self._staged.close)
         self._thread = threading.Thread(target=self._run, name=f"glm-pd-prefill-{local.engine_id}", daemon=True)
         self._thread.start()
         self._withdraw_exit = close_at_exit(self.close)
@@ -240,6 +243,10 @@ class PrefillService:
             self._on_abort(ident, msg)
         elif isinstance(msg, protocol.Gather):
             self._on_gather(ident, msg)
+        elif isinstance(msg, protocol.StreamRead):
+            self._on_stream_read(ident, msg)
+        elif isinstance(msg, protocol.ReadDone):
+            self._staged.close(msg.request_id, ident)
         elif isinstance(msg, protocol.DigestQuery):
             self.server.send(ident, page_answer(self._leases.plan(msg.request_id, ident), msg, self.local.memory))
 
@@ -361,13 +368,35 @@ class PrefillService:
         self._leases.keep_plan(msg.request_id, ident, plan)
         self._digests.submit(ident, msg.request_id, plan)  # answered when they are back (``_on_digested``)
 
+    def _on_stream_read(self, ident: bytes, msg: protocol.StreamRead) -> None:
+        """A subscriber reads tokens already announced of its streamed transfer in slots: the claim's rule over
+        the pages announced so far, none past the tokens written."""
+        seen = self._streams.readable(ident, msg.request_id)
+        if seen is None:
+            self._fail(ident, msg.request_id, "this decode holds no subscription to that transfer", "refused_peer")
+            return
+        pages, ready_tokens = seen
+        why = self._staged.refusal(ident, msg.request_id, msg.slot_bytes)
+        if not why and msg.num_tokens > ready_tokens:
+            why = f"tokens up to {msg.num_tokens} asked; prefill has written {ready_tokens}"
+        if not why:
+            try:
+                plan = claim_plan(self.local, self._decodes[ident].peer, pages, msg)
+                self._staged.open(ident, msg.request_id, plan, msg.slot_bytes)
+            except GlmPdError as exc:
+                why = str(exc)
+        if why:
+            self._fail(ident, msg.request_id, why, "invalid_params")
+
     def _on_gather(self, ident: bytes, msg: protocol.Gather) -> None:
-        """Decode asks for a slot of its staged read: only the claimant of a live claimed lease is served."""
+        """Decode asks for a slot of its staged read: only the claimant of a live claimed lease, or a subscriber
+        of the streamed transfer, is served."""
         lease = self._leases.get(msg.request_id)
-        if lease is None or lease.state is not LeaseState.CLAIMED or ident not in lease.claimants:
+        claimed = lease is not None and lease.state is LeaseState.CLAIMED and ident in lease.claimants
+        if not claimed and self._streams.readable(ident, msg.request_id) is None:
             ended = self._leases.ended.get(msg.request_id)
             code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
-            self._fail(ident, msg.request_id, f"no claimed lease of this decode for this request ({ended})", code)
+            self._fail(ident, msg.request_id, f"no claimed lease or subscription of this decode ({ended})", code)
             return
         why = self._staged.ask(ident, msg)
         if why:

@@ -60,8 +60,15 @@ Outgoing = list[tuple[bytes, protocol.Message]]
 
 
 class StreamTable:
-    def __init__(self, timeout_s: float, clock: Callable[[], float], keepalive_s: float = protocol.HEARTBEAT_S) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        clock: Callable[[], float],
+        keepalive_s: float = protocol.HEARTBEAT_S,
+        on_end: Callable[[str], None] = lambda _: None,
+    ) -> None:
         self.timeout_s = timeout_s
+        self._on_end = on_end  # a transfer ended (its staged reads end with it)
         self.keepalive_s = keepalive_s
         self._clock = clock  # the service's: a subscription waiting for the engine waits in its time
         self._streams: dict[str, _Stream] = {}
@@ -171,6 +178,14 @@ class StreamTable:
             self._streams.pop(transfer_id, None)
             self._remember(transfer_id, "its lease ended")
 
+    def readable(self, ident: bytes, transfer_id: str) -> tuple[np.ndarray, int] | None:
+        """A subscriber's view of a running transfer: the pages announced (the whole table once leased) and the
+        tokens written in them; None unless ``ident`` subscribed to it."""
+        stream = self._streams.get(transfer_id)
+        if stream is None or ident not in stream.subscribers:
+            return None
+        return stream.pages, stream.ready_tokens
+
     def subscriptions(self) -> int:
         return sum(len(stream.subscribers) for stream in self._streams.values())
 
@@ -216,6 +231,7 @@ class StreamTable:
 
     def _remember(self, transfer_id: str, why: str) -> None:
         self._ended.add(transfer_id, why)
+        self._on_end(transfer_id)
 
 
 def _failed(transfer_id: str, why: str, code: protocol.FailureCode = "aborted") -> protocol.Failed:

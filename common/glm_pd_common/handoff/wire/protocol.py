@@ -26,6 +26,9 @@ Version history:
   says it gathered it (``gathered``). The transport metadata a hello carries names its node, so a rank that
   moves GPU memory by cuda_ipc (no RDMA) refuses a peer on another node.
   Digests are ``layout.digest_words``' keyed word sums (computable on a GPU), no longer xxh3-64.
+- 8: staged streamed reads: a subscriber asks prefill to cut a span of the tokens already announced into slots
+  (``stream_read``), asks for each slot as in a staged claim (``gather``), and ends the read (``read_done``), so
+  its slot pair goes back while the transfer runs on.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -42,7 +45,7 @@ from glm_pd_common.errors import ConfigError, ProtocolError
 from glm_pd_common.layout.fingerprint import Fingerprint, PeerShape
 from glm_pd_common.layout.pages import INT64_MAX
 
-PROTOCOL_VERSION = 7  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
+PROTOCOL_VERSION = 8  # every message, kv_transfer_params and SGLang backend frame carries it; see the history
 
 HEARTBEAT_S = 5.0  # an idle decode lane says it is alive at least this often (a wire contract, as the messages)
 RENEWALS_PER_LEASE = 6  # as vLLM's NIXL heartbeats: five renewals in a row may be lost before a lease runs out
@@ -202,6 +205,25 @@ class Gather(_Base, tag="gather", frozen=True):
     slot: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 
 
+class StreamRead(_Base, tag="stream_read", frozen=True):
+    """A subscriber, staged: cut tokens ``[prefix_tokens, num_tokens)`` of streamed transfer ``request_id`` into
+    slots of ``slot_bytes`` (then ``gather`` each). The pages are the claim's rule over the pages announced so far:
+    ``src_pages`` prefill's, ``dst_pages`` decode's."""
+
+    request_id: Id  # the transfer id
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+    prefix_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+    src_pages: list[PageId]
+    dst_pages: list[PageId]
+    slot_bytes: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+
+
+class ReadDone(_Base, tag="read_done", frozen=True):
+    """A subscriber read every slot of its staged streamed read (or gave it up): its slot pair may go back."""
+
+    request_id: Id  # the transfer id
+
+
 class Gathered(_Base, tag="gathered", frozen=True):
     """Prefill: slot ``slot`` is in its staging buffer at ``offset``, complete."""
 
@@ -235,6 +257,8 @@ Message = Union[
     Progress,
     Gather,
     Gathered,
+    StreamRead,
+    ReadDone,
     DigestQuery,
     PageDigests,
 ]

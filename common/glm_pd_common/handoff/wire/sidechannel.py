@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -121,6 +122,9 @@ class SideChannelClient:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(f"tcp://{host}:{port}")
         self.address = f"{host}:{port}"
+        # Messages a wait for one answer read past that belong to another wait on this link (a streamed
+        # transfer's progress read while a slot's answer was awaited): the next receive returns them first.
+        self._kept: deque[protocol.Message] = deque()
 
     def send(self, message: protocol.Message) -> None:
         self._sock.send(protocol.encode(message))
@@ -147,9 +151,16 @@ class SideChannelClient:
             )
         return SideChannelTimeout(f"no answer from {self.address} within {timeout_s:.1f} s")
 
+    def put_back(self, messages: Iterable[protocol.Message]) -> None:
+        """Return messages already received, in their order, ahead of any not yet read."""
+        self._kept.extendleft(reversed(list(messages)))
+
     def recv(self, timeout_s: float, progress: Callable[[], object] | None = None) -> protocol.Message:
-        """Wait for the peer's answer. ``progress`` runs every few ms meanwhile: the peer's answer may need
-        this side's transport to make progress first (NIXL/UCX connection set-up is two-sided)."""
+        """Wait for the peer's answer (one put back first). ``progress`` runs every few ms meanwhile: the
+        peer's answer may need this side's transport to make progress first (NIXL/UCX connection set-up is
+        two-sided)."""
+        if self._kept:
+            return self._kept.popleft()
         deadline = time.monotonic() + timeout_s
         while not self._ready(2 if progress else max(int((deadline - time.monotonic()) * 1000), 0)):
             if time.monotonic() > deadline:
@@ -159,8 +170,9 @@ class SideChannelClient:
         return protocol.decode(self._sock.recv())
 
     def waiting(self) -> list[protocol.Message]:
-        """Every message that has already arrived, in order; never waits."""
-        out = []
+        """Every message that has already arrived (those put back first), in order; never waits."""
+        out = list(self._kept)
+        self._kept.clear()
         while self._ready(0):
             out.append(protocol.decode(self._sock.recv()))
         return out
@@ -175,7 +187,11 @@ class SideChannelClient:
 def recv_any(
     clients: list[SideChannelClient], timeout_s: float, progress: Callable[[], object]
 ) -> tuple[int, protocol.Message]:
-    """The next message from any of ``clients`` (its index, the message); ``progress`` runs every few ms."""
+    """The next message from any of ``clients`` (its index, the message; one put back first); ``progress``
+    runs every few ms."""
+    for i, client in enumerate(clients):
+        if client._kept:
+            return i, client._kept.popleft()
     poller = zmq.Poller()
     for client in clients:
         poller.register(client._sock, zmq.POLLIN)
