@@ -57,6 +57,31 @@ def test_demo_hands_off_and_verifies(transport, p, d, allocator):
         assert key in out
 
 
+@pytest.mark.parametrize("staging", ["always", "auto"])
+def test_demo_stages_where_told_and_posts_host_memory_directly_by_default(staging):
+    """``always``: every byte through 256 KiB slots (tens of them, cutting runs mid-page), checked on decode as
+    posted directly would be; ``auto`` posts host memory directly, as the engines do."""
+    args = ["--allow-tcp", "--json", "--tokens", "2000", "--prefix-tokens", "512", "--prefill-page-tokens", "32"]
+    proc = demo(*args, "--staging", staging, "--staging-mib", "2", "--staging-slot-kib", "256")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert out["ok"] is True and out["suffix_tokens_checked"] == 2000 - 512, out
+    if staging == "always":
+        assert out["staging"] == {"slot_bytes": 256 << 10, "mode": "always"}
+        assert out["staged_bytes"] == out["bytes"]["total"]
+        assert out["posted_batches"] == -(-out["bytes"]["total"] // (256 << 10))  # slots: runs cut at slot ends
+    else:
+        assert out["staging"] is None and out["staged_bytes"] == 0
+
+
+def test_staging_settings_that_cannot_hold_a_pair_of_slots_are_refused():
+    proc = demo(
+        "--allow-tcp", "--tokens", "512", "--prefix-tokens", "0", "--staging", "always", "--staging-mib", "1",
+        "--staging-slot-kib", "1024",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "must hold two slots of 1024 KiB" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("field", sorted(MISMATCHES))
 def test_mismatch_is_refused_naming_the_field(field):
     proc = demo("--allow-tcp", "--tokens", "512", "--prefix-tokens", "0", "--mismatch", field)

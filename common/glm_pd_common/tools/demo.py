@@ -27,6 +27,7 @@ from glm_pd_common.tools.cuda_driver import CudaDevice
 from glm_pd_common.tools.demo_peers import MARK
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.tools.report import human_bytes, human_seconds, print_table
+from glm_pd_common.transport.staging import STAGE_MODES, settings_problem
 
 
 def available_memory_bytes() -> int:
@@ -62,6 +63,10 @@ def check_job(job: dict[str, Any]) -> None:
         HostCaches.bytes_needed(spec, page_tokens=pt, num_pages=int(num_pages_for(n, pt) * 1.25) + 2)
         for pt in (job["prefill_page_tokens"], d_pt)
     )
+    if job["device"] is None and job["staging"] == "always":
+        need += 2 * job["staging_mib"] << 20  # both sides' staging buffers
+    if problem := settings_problem(job["staging"], job["staging_mib"], job["staging_slot_kib"]):
+        raise ConfigError(f"--staging, --staging-mib, --staging-slot-kib: {problem}")
     if job["device"] is not None:
         CudaDevice(job["device"])  # no driver, or no such GPU: said here, not by both processes
     have = available_memory_bytes()
@@ -166,6 +171,8 @@ def summarize(job: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
         "memcpy_gbps",
         "regions",
         "posted_batches",
+        "staged_bytes",
+        "staging",
         "plan_ms",
         "verified_digests",
         "prefix_bytes_kept",
@@ -207,8 +214,10 @@ def print_report(s: dict[str, Any]) -> None:
             (
                 "runs",
                 f"{s['runs']:,} coalesced (main {s['runs_by_kind']['main']:,}, indexer "
-                f"{s['runs_by_kind']['indexer']:,}), {s['posted_batches']} layer batches",
+                f"{s['runs_by_kind']['indexer']:,}), {s['posted_batches']} "
+                + ("slots read" if s["staged_bytes"] else "layer batches"),
             ),
+            ("staging", _staging_line(s)),
             ("plan", f"{s['plan_ms']:.2f} ms"),
             (
                 "transfer",
@@ -219,6 +228,16 @@ def print_report(s: dict[str, Any]) -> None:
             ("prefill", f"pages {s['prefill_outcome']}"),
         ]
     print_table(rows, "glm-pd demo: one GLM-5.3 prefill -> decode handoff on 127.0.0.1")
+
+
+def _staging_line(s: dict[str, Any]) -> str:
+    staging = s.get("staging")
+    if staging is None:
+        return "none: every run posted as its own descriptor"
+    slot = human_bytes(staging["slot_bytes"])
+    if not s["staged_bytes"]:
+        return f"{staging['mode']}, slots of {slot}: this plan's runs were long enough to post directly"
+    return f"{human_bytes(s['staged_bytes'])} gathered into slots of {slot}, each read as one descriptor"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -242,6 +261,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="cpu|cuda[:N]",
         help="where both sides' caches live: host memory (default), or GPU N (a first check on a GPU node)",
     )
+    p.add_argument(
+        "--staging",
+        choices=STAGE_MODES,
+        default="auto",
+        help="move runs through staging slots: auto (GPU caches with short runs), always, never (as the engines)",
+    )
+    p.add_argument("--staging-mib", type=int, default=256, help="each side's staging buffer")
+    p.add_argument("--staging-slot-kib", type=int, default=32768, help="one slot: what one descriptor moves")
     p.add_argument("--mismatch", choices=sorted(MISMATCHES), help="make prefill differ in one fingerprint field")
     p.add_argument("--no-verify", action="store_true", help="skip the per-region digest check")
     p.add_argument(
@@ -278,6 +305,9 @@ def _run_cli(args: argparse.Namespace) -> int:
         "inject_corruption": args.inject_corruption,
         "credential": args.credential,
         "device": args.device,
+        "staging": args.staging,
+        "staging_mib": args.staging_mib,
+        "staging_slot_kib": args.staging_slot_kib,
     }
     check_job(job)
     with tempfile.TemporaryDirectory(prefix="glm-pd-demo-") as keys:

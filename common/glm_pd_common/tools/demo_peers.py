@@ -30,11 +30,11 @@ from glm_pd_common.layout.pages import num_pages_for
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.cuda_driver import CudaDevice
-from glm_pd_common.tools.devicemem import DeviceCaches, driver_copier
+from glm_pd_common.tools.demo_staging import demo_memory
+from glm_pd_common.tools.devicemem import DeviceCaches
 from glm_pd_common.tools.hostmem import HostCaches, memcpy_gbps
 from glm_pd_common.transport.base import TransportConfig
 from glm_pd_common.transport.factory import create_transport
-from glm_pd_common.transport.memory import StagedMemory
 
 SEED = 20261201  # prefill's content for every token
 DECODE_PREFIX_SEED = SEED + 1  # decode's prefix hit holds other bytes, so a read that strays into it shows
@@ -108,9 +108,10 @@ def _endpoint(job: dict[str, Any], role: str, page_tokens: int) -> tuple[HostCac
     transport.register(caches.regions)
     trust = Trust.from_settings(job["credential"], insecure=False)
     shape = PeerShape(page_tokens, 1, 0)
-    local = Endpoint(f"{role}-0", spec, caches.regions, transport, shape, trust=trust)
-    if device is not None:  # every glm-pd thread on the device's context; digests copy runs through the driver
-        local = dataclasses.replace(local, memory=StagedMemory(driver_copier(device)), on_thread=device.make_current)
+    staging, memory = demo_memory(job, transport, caches.regions, device)
+    local = Endpoint(f"{role}-0", spec, caches.regions, transport, shape, memory=memory, trust=trust, staging=staging)
+    if device is not None:  # every glm-pd thread on the device's context
+        local = dataclasses.replace(local, on_thread=device.make_current)
     return caches, table, local
 
 
@@ -219,6 +220,8 @@ def run_decode(job: dict[str, Any], params: dict[str, Any]) -> int:
             runs_by_kind=load.runs_by_kind,
             pages=load.pages,
             posted_batches=load.batches,
+            staged_bytes=load.staged_bytes,
+            staging=None if local.staging is None else {"slot_bytes": local.staging.slot_bytes, "mode": job["staging"]},
             regions=len(caches.regions),
             plan_ms=load.plan_ms,
             verified_digests=job["verify"],
