@@ -1,6 +1,7 @@
 """Prefill's digests of what a claim reads: computed on threads of their own, never the service thread (a long
 request's digest reads gigabytes: tens of ms on a GPU, seconds on the host), and handed back to it to answer the claim;
-and the per-page digests decode asks for after a mismatch, to name the first bad page."""
+and, on the same threads, the per-page digests decode asks for after a mismatch, to name the first bad page (one
+query of a request at a time per decode rank: a decode cannot queue up reads)."""
 
 from __future__ import annotations
 
@@ -29,19 +30,56 @@ class Digested:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class PagesDigested:
+    """The answer to a decode's page-digest query, on its way back to the service thread."""
+
+    ident: bytes
+    answer: protocol.PageDigests | protocol.Failed
+
+
 class ClaimDigests:
-    """Digest threads of one prefill rank; each result goes to ``deliver`` (the service's inbox)."""
+    """Digest threads of one prefill rank; each result goes to ``deliver`` (the service's inbox). ``query`` and
+    ``answered`` run on the service thread only."""
 
     def __init__(
-        self, memory: MemoryReader, name: str, on_thread: ThreadSetup, deliver: Callable[[Digested], None]
+        self,
+        memory: MemoryReader,
+        name: str,
+        on_thread: ThreadSetup,
+        deliver: Callable[[Digested | PagesDigested], None],
     ) -> None:
         self._memory, self._deliver = memory, deliver
+        self._queries: set[tuple[bytes, str]] = set()  # page queries being answered: (decode rank, request)
         self._pool = ThreadPoolExecutor(
             DIGEST_THREADS, thread_name_prefix=f"glm-pd-digest-{name}", initializer=on_thread
         )
 
     def submit(self, ident: bytes, request_id: str, plan: TransferPlan) -> None:
         self._pool.submit(self._digest, ident, request_id, plan)
+
+    def query(self, ident: bytes, msg: protocol.DigestQuery, plan: TransferPlan | None) -> bool:
+        """Answer a page-digest query of the plan this decode rank claimed; False while one of that request is
+        still being answered."""
+        key = (ident, msg.request_id)
+        if key in self._queries:
+            return False
+        self._queries.add(key)
+        self._pool.submit(self._pages, ident, msg, plan)
+        return True
+
+    def answered(self, done: PagesDigested) -> None:
+        """The service thread took a query's answer: that decode may ask again."""
+        self._queries.discard((done.ident, done.answer.request_id))
+
+    def _pages(self, ident: bytes, msg: protocol.DigestQuery, plan: TransferPlan | None) -> None:
+        answer: protocol.PageDigests | protocol.Failed
+        try:
+            answer = page_answer(plan, msg, self._memory)
+        except Exception as exc:  # as a claim's digests: that decode's query fails, nothing else
+            why = protocol.clip(f"per-page digests failed: {exc if isinstance(exc, GlmPdError) else repr(exc)}")
+            answer = protocol.Failed(v=PROTOCOL_VERSION, request_id=msg.request_id, reason=why, code="digest")
+        self._deliver(PagesDigested(ident, answer))
 
     def _digest(self, ident: bytes, request_id: str, plan: TransferPlan) -> None:
         try:

@@ -15,8 +15,9 @@ Leases measure decode's time: every deadline here reads the service clock (``clo
 thread is away (held up between two waits or inside one, as when the process is stopped), so every lease, pending
 claim, unready grant, waiting subscription and decode's silence is held over by as long, and what queued meanwhile
 is answered before leases expire.
-A claim that asks for digests is answered once a digest thread has computed them (on a GPU, every run is copied to
-the host first: seconds for a long request), so the service thread serves every other request meanwhile.
+A claim that asks for digests is answered once a digest thread has computed them (a long request's runs are
+gigabytes), as is a decode's page-digest query after a mismatch, so the service thread serves every other request
+meanwhile.
 Decode renews the leases of requests still waiting for its blocks (``Renew``); only unclaimed live leases
 are extended.
 A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
@@ -47,7 +48,7 @@ from glm_pd_common.errors import GlmPdError, LeaseExpired
 from glm_pd_common.handoff.at_exit import close_at_exit
 from glm_pd_common.handoff.prefill.caps import DEFAULT_CAPS, PeerCaps
 from glm_pd_common.handoff.prefill.clock import ServiceClock
-from glm_pd_common.handoff.prefill.digesting import ClaimDigests, Digested, page_answer
+from glm_pd_common.handoff.prefill.digesting import ClaimDigests, Digested, PagesDigested
 from glm_pd_common.handoff.prefill.lease import Finished, Grant, Lease, LeaseState, LeaseTable
 from glm_pd_common.handoff.prefill.pairing import claim_plan, expected_releases_from
 from glm_pd_common.handoff.prefill.peers import DecodePeers, admit
@@ -94,7 +95,9 @@ class PrefillService:
         self._leases = LeaseTable(ttl_s=lease_s, transfer_ttl_s=timeout_s, clock=self._clock.now)  # one per lease
         self._decodes = DecodePeers(caps.peers, peer_idle_s)
         # engine calls in order, and claims' digests back from their threads
-        self._inbox: queue.SimpleQueue[Grant | StreamCall | Advance | Digested | GatherDone] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Grant | StreamCall | Advance | Digested | PagesDigested | GatherDone] = (
+            queue.SimpleQueue()
+        )
         self._finished: queue.SimpleQueue[Finished] = queue.SimpleQueue()  # what the engine may free
         self._stop = threading.Event()
         # a claim's digests (seconds for a GPU region's copies) are computed here, never on the service thread
@@ -183,6 +186,9 @@ class PrefillService:
                 self._on_grant(call)
             elif isinstance(call, Digested):
                 self._on_digested(call)
+            elif isinstance(call, PagesDigested):
+                self._digests.answered(call)
+                self.server.send(call.ident, call.answer)
             elif isinstance(call, GatherDone):
                 answer = self._staged.done(call)
                 if answer is not None:
@@ -247,8 +253,10 @@ class PrefillService:
             self._on_stream_read(ident, msg)
         elif isinstance(msg, protocol.ReadDone):
             self._staged.close(msg.request_id, ident)
-        elif isinstance(msg, protocol.DigestQuery):
-            self.server.send(ident, page_answer(self._leases.plan(msg.request_id, ident), msg, self.local.memory))
+        elif isinstance(msg, protocol.DigestQuery):  # answered from a digest thread
+            if not self._digests.query(ident, msg, self._leases.plan(msg.request_id, ident)):
+                why = "this decode's page-digest query of that request is still being answered"
+                self._fail(ident, msg.request_id, why, "invalid_params")
 
     def _on_subscribe(self, ident: bytes, msg: protocol.Subscribe) -> None:
         if not self.streamed:
@@ -402,7 +410,7 @@ class PrefillService:
         if why:
             self._fail(ident, msg.request_id, why, "invalid_params")
 
-    def _deliver(self, done: Digested | GatherDone) -> None:
+    def _deliver(self, done: Digested | PagesDigested | GatherDone) -> None:
         """On a digest or gather thread: the answer goes out from the service thread."""
         self._inbox.put(done)
         self.server.wake()
