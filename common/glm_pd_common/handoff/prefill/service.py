@@ -253,10 +253,14 @@ class PrefillService:
             self._on_stream_read(ident, msg)
         elif isinstance(msg, protocol.ReadDone):
             self._staged.close(msg.request_id, ident)
-        elif isinstance(msg, protocol.DigestQuery):  # answered from a digest thread
-            if not self._digests.query(ident, msg, self._leases.plan(msg.request_id, ident)):
-                why = "this decode's page-digest query of that request is still being answered"
-                self._fail(ident, msg.request_id, why, "invalid_params")
+        elif isinstance(msg, protocol.DigestQuery):
+            self._on_digest_query(ident, msg)
+
+    def _on_digest_query(self, ident: bytes, msg: protocol.DigestQuery) -> None:
+        """Per-page digests of the plan this decode claimed, answered from a digest thread."""
+        if not self._digests.query(ident, msg, self._leases.plan(msg.request_id, ident)):
+            why = "this decode's page-digest query of that request is still being answered"
+            self._fail(ident, msg.request_id, why, "invalid_params")
 
     def _on_subscribe(self, ident: bytes, msg: protocol.Subscribe) -> None:
         if not self.streamed:
