@@ -297,6 +297,15 @@ class DecodeService:
         local = self.local
         posted = Batches(local.transport)
         staged = 0
+        clients = [p.client for p in peers]
+        last_beat = time.monotonic()
+
+        def beat(_slot: int = 0) -> None:
+            """Prefill forgets a decode silent too long: beat while waiting, and between a staged read's slots."""
+            nonlocal last_beat
+            if time.monotonic() - last_beat > self.heartbeat_s:
+                last_beat = time.monotonic()
+                self._beat(clients)
 
         def read(i: int) -> None:
             """Read the tokens feed ``i`` allows now: posted (waited for at the end), or staged slot by slot
@@ -319,19 +328,15 @@ class DecodeService:
                 )
                 keep = frozenset(f.lease_id for f in feeds if f.lease_id)
                 staged += self._reads.staged(
-                    local, peers[i], plan, job.lease_id, slot_bytes, result, opening=opening, keep=keep
+                    local, peers[i], plan, job.lease_id, slot_bytes, result, beat, opening=opening, keep=keep
                 )
             elif plan.num_runs:
                 posted.append(local.transport.post_plan(peers[i].agent, plan, "READ"))
             feeds[i].read_to = span[1]
 
-        clients = [p.client for p in peers]
         with posted:
-            beat = time.monotonic()
             while not all(f.lease_id for f in feeds):
-                if time.monotonic() - beat > self.heartbeat_s:  # prefill forgets a decode silent too long
-                    beat = time.monotonic()
-                    self._beat(clients)
+                beat()
                 first = recv_any(clients, self.timeout_s, waiting)
                 heard = set()
                 # What queued up while the last read was posted is read as one batch: each batch costs a
