@@ -219,9 +219,14 @@ def test_queue_wait_past_the_lease_is_kept_alive(engines: dict, pair: FaultPair)
     still_serves(engines, pair, offset)
 
 
-def streaming(pair: FaultPair) -> None:
-    """Decode admitted the streamed request and its load runs (it subscribed to prefill)."""
-    wait_for(pair.decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 30, "its streamed load runs")
+def streaming(pair: FaultPair, stream: Stream, answer: dict, offset: int) -> None:
+    """Decode admitted the streamed request and its load runs (it subscribed to prefill). Where it never shows, the
+    failure says how both legs stand and what decode's connector logged since ``offset``."""
+    try:
+        wait_for(pair.decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 30, "its streamed load runs")
+    except AssertionError as exc:
+        legs = f"decode's leg: {len(stream.tokens)} tokens, finish {stream.finish_reason}, error {stream.error}"
+        raise AssertionError(f"{exc}\n{legs}; prefill's leg: {answer}\n{pair.decode.connector_lines(offset)}") from None
 
 
 def prefill_idle(prefill: Server, within_s: float) -> dict:
@@ -241,7 +246,7 @@ def test_client_gone_while_its_stream_waits_on_prefill(engines: dict, pair: Faul
     prefill, decode = pair.prefill, pair.decode
     offset, prefill_offset = decode.log_size(), prefill.log_size()
     stream, leg, answer = stream_legs(pair, engines["model"], STREAMED["client_gone"])
-    streaming(pair)
+    streaming(pair, stream, answer, offset)
     prefill.signal(signal.SIGSTOP)
     try:
         stream.close()
@@ -264,8 +269,8 @@ def test_prefill_killed_while_streaming(engines: dict, pair: FaultPair) -> None:
     within its timeout, frees its blocks, and serves the next one (from the session prefill)."""
     prefill, decode = pair.prefill, pair.decode
     offset = decode.log_size()
-    stream, leg, _ = stream_legs(pair, engines["model"], STREAMED["prefill_killed"])
-    streaming(pair)
+    stream, leg, answer = stream_legs(pair, engines["model"], STREAMED["prefill_killed"])
+    streaming(pair, stream, answer, offset)
     prefill.signal(signal.SIGKILL)
     prefill.proc.wait(30)
     stream.result(TIMEOUT_S + 30)
@@ -280,9 +285,9 @@ def test_decode_killed_while_streaming(engines: dict, pair: FaultPair) -> None:
     leg answers), holds the blocks for a lease nobody claims, frees them when it expires, and serves a fresh
     request through the session decode with the reference tokens."""
     prefill, decode = pair.prefill, pair.decode
-    prefill_offset = prefill.log_size()
+    offset, prefill_offset = decode.log_size(), prefill.log_size()
     stream, leg, answer = stream_legs(pair, engines["model"], STREAMED["decode_killed"])
-    streaming(pair)
+    streaming(pair, stream, answer, offset)
     prefill.signal(signal.SIGSTOP)
     try:
         decode.signal(signal.SIGKILL)
