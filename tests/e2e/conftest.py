@@ -9,6 +9,7 @@ from tests.support.ports import free_port
 from tests.support.scenarios import MAX_TOKENS, RUNS
 from tests.support.tiny_mla_model import make_model
 from tests.support.vllm_faults import CHUNK_TOKENS, FAULT_RUNS, FaultPair
+from tests.support.vllm_harness import STAGED
 from tests.support.vllm_servers import CORE, NO_AMX, START_S, Server, disaggregated, glm_pd_config
 
 
@@ -61,7 +62,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     logs = tmp_path_factory.mktemp("engine-logs")
     reference = _reference_runs(model, logs)
     kv = ("127.0.0.1", free_port())  # prefill's side channel: a streamed request's decode leg names it
-    producer = glm_pd_config("kv_producer", side_channel_host=kv[0], side_channel_port=kv[1], streamed=True)
+    # prefill holds a staging buffer (it gathers slots only for a decode that asks: test_vllm_engine's staged one)
+    producer = glm_pd_config("kv_producer", side_channel_host=kv[0], side_channel_port=kv[1], streamed=True, **STAGED)
     servers = {
         "prefill": Server(
             "prefill", model, logs, "--kv-transfer-config", producer, env={"VLLM_CPU_OMP_THREADS_BIND": CORE["prefill"]}

@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.scenarios import INSIDE_BLOCK, MAX_TOKENS, SHARED, SHARED_PREFIX, SINGLE
 from tests.support.vllm_faults import proxy
+from tests.support.vllm_harness import STAGED
 from tests.support.vllm_servers import CORE, NO_AMX, START_S, Server, disaggregated, glm_pd_config, request, streamed
 
 ROW = 1152  # bf16 latent row: (512 + 64) x 2 B
@@ -117,3 +118,30 @@ def test_a_decode_that_cannot_take_a_streamed_request_refuses_and_the_proxy_move
         assert "is left to the router" in log, "vLLM's pre-aborted stand-in never reached the refusing connector"
     finally:
         full.stop()
+
+
+def test_a_staged_decode_outputs_equal_a_plain_run(engines) -> None:
+    """A decode whose every transfer goes through staging slots (``staging: always``, 64 KiB slots: tens per
+    request, cutting blocks mid-row), beside the session decode, reading from the session prefill (which holds a
+    buffer and gathers only for a decode that asks): vLLM's worker gathers and scatters with its own torch. Pulled,
+    then streamed: the tokens equal the reference pair's, and every byte that moved went through slots."""
+    if NO_AMX:
+        pytest.skip("staging does not depend on the CPU's ISA: the native pass covers it")
+    consumer = glm_pd_config("kv_consumer", streamed=True, **STAGED)
+    staged = Server("decode-staged", Path(engines["model"]), engines["logs"], "--kv-transfer-config", consumer,
+                    env={"VLLM_CPU_OMP_THREADS_BIND": CORE["decode"]})  # fmt: skip
+    try:
+        staged.wait_ready(time.monotonic() + START_S)
+        n = max(SINGLE)
+        for stream in (False, True):
+            offset = staged.log_size()
+            if stream:
+                out = streamed(engines["prefill"], engines["prefill_kv"], staged, engines["model"], SINGLE[n])
+            else:
+                out = disaggregated(engines["prefill"], staged, engines["model"], SINGLE[n])
+            assert out["choices"][0]["token_ids"] == engines["reference"][f"single-{n}"], stream
+            metrics = staged.transfer_metrics(offset, loads=1)
+            assert metrics["loads_ok"] == 1 and metrics.get("loads_failed", 0) == 0, metrics
+            assert metrics["bytes_main"] > 0 and metrics.get("bytes_staged") == metrics["bytes_main"], metrics
+    finally:
+        staged.stop()

@@ -92,9 +92,10 @@ class Server:
             return json.load(r)
 
     def transfer_metrics(self, offset: int, loads: int, timeout_s: float = 20) -> dict[str, float]:
-        """Sum GlmPdConnector's per-load log lines (``glm-pd decode: <id> loaded: main N B, ...``) written
-        after ``offset``. vLLM's own "KV Transfer metrics" lines carry the same counts, but in one run the first
-        load's line never came (its stats were not logged), so the connector's own line is what is counted."""
+        """Sum GlmPdConnector's per-load log lines (``glm-pd decode: <id> loaded: main N B, ..., of which staged
+        N B``) written after ``offset``. vLLM's own "KV Transfer metrics" lines carry the same counts, but in one
+        run the first load's line never came (its stats were not logged), so the connector's own line is what is
+        counted."""
         deadline = time.monotonic() + timeout_s
         while True:
             text = self.log.read_text(errors="replace")[offset:]

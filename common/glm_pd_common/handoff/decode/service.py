@@ -215,13 +215,11 @@ class DecodeService:
             with self._lock:
                 self._cancelled.discard(job.request_id)
         result.states = handoff.states
-        logger.info(
-            "glm-pd decode: %s %s: %s; %s",
-            job.request_id,
-            "loaded" if result.ok else "failed",
-            ", ".join(f"{kind} {n} B" for kind, n in result.bytes_by_kind.items()) or "0 B",
-            ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.phases.items()),
-        )
+        moved = ", ".join(f"{kind} {n} B" for kind, n in result.bytes_by_kind.items()) or "0 B"
+        if result.staged_bytes:
+            moved += f", of which staged {result.staged_bytes} B"
+        phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.phases.items())
+        logger.info("glm-pd decode: %s %s: %s; %s", job.request_id, "loaded" if result.ok else "failed", moved, phases)
         return result
 
     def _layouts(self, remote: RemotePrefill) -> tuple[SideLayout, SideLayout]:
