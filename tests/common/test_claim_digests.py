@@ -1,6 +1,6 @@
 """A claim's digests, and the per-page digests decode asks for after a mismatch, are computed off prefill's service
 thread (issue 28, item 2): a long request's digests read gigabytes (seconds on the host), and the service thread
-answers every other decode.
+answers every other decode. A claim is answered at once, so decode reads while prefill digests.
 
 The slow read is a test double (``HeldMemory`` and its kin: host reads one of whose digests waits until the test
 lets it go), so the premise, one digest still running while another decode claims, holds by construction."""
@@ -17,7 +17,7 @@ from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION as V
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.transport.memory import HostMemory
-from tests.support.services import PAGE_TOKENS, Decode, Prefill, rivals
+from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill, rivals, wait_for
 
 PAGES = 5  # of A's request
 HOLD_S = 30.0  # the held digest lets go by itself after this (the old code's service thread was stuck that long)
@@ -129,6 +129,7 @@ def test_a_decode_has_one_page_digest_query_of_a_request_answered_at_a_time(smal
         owner.send(protocol.TransferRequest(v=V, request_id="r", num_tokens=4 * PAGE_TOKENS, prefix_tokens=0,
                                             src_pages=table, dst_pages=[0, 1, 2, 3], verify=True))  # fmt: skip
         assert isinstance(owner.recv(10.0), protocol.Claimed)
+        assert isinstance(owner.recv(10.0), protocol.SourceDigests)  # the claim's digests, before any is held
         held.armed.set()
         query = protocol.DigestQuery(v=V, request_id="r", region_indices=[0])
         owner.send(query)
@@ -141,3 +142,26 @@ def test_a_decode_has_one_page_digest_query_of_a_request_answered_at_a_time(smal
         assert isinstance(pages, protocol.PageDigests) and len(pages.pages[0]) == 4, pages
         owner.send(query)
         assert isinstance(owner.recv(10.0), protocol.PageDigests)
+
+
+def test_decode_reads_while_prefill_digests_its_claim(small_spec) -> None:
+    """Prefill answers a verifying claim at once and digests meanwhile: A's bytes land in decode's memory while
+    prefill's digest of them is still held, and the load ends, verified, only once the digests come."""
+    held = HeldMemory()
+    prefill, decode = Prefill(small_spec, memory=held), Decode(small_spec, "decode-a")
+    first: dict[str, LoadResult] = {}
+    pages, n = np.arange(NUM_PAGES, dtype=np.int64), PAGES * PAGE_TOKENS
+    try:
+        reader = threading.Thread(target=lambda: first.update(a=decode.load(prefill, "A", n)))
+        reader.start()
+        assert held.entered.wait(30), "A's claim never asked for digests"
+        landed = wait_for(lambda: decode.caches.mismatched_tokens(pages, 0, n, seed=SEED), lambda bad: not bad, 20.0)
+        assert landed == [] and not held.release.is_set(), landed
+        assert "a" not in first, "the load ended before prefill's digests came"
+        held.release.set()
+        reader.join(30)
+        assert first["a"].ok, first["a"]
+    finally:
+        held.release.set()
+        for side in (decode, prefill):
+            side.close()

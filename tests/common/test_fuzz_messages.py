@@ -65,7 +65,8 @@ def samples(spec: CacheSpec) -> list[proto.Message]:
             v=v, request_id="t", num_tokens=128, prefix_tokens=64, src_pages=[5], dst_pages=[2], slot_bytes=1 << 16
         ),
         proto.ReadDone(v=v, request_id="t"),
-        proto.Claimed(v=v, request_id="r", digests=[1, UINT64_MAX]),
+        proto.Claimed(v=v, request_id="r"),
+        proto.SourceDigests(v=v, request_id="r", digests=[1, UINT64_MAX]),
         proto.Released(v=v, request_id="r"),
         proto.Done(v=v, request_id="r"),
         proto.Failed(v=v, request_id="r", reason="x", code="lease_expired"),

@@ -229,11 +229,16 @@ def test_digest_replies_are_checked_or_refused(landed, data, corrupt) -> None:
 
 
 def check_replies(plan: TransferPlan, real: list[int], corrupt: bool, data: st.DataObject) -> None:
-    claimed = {"type": "claimed", "v": PROTOCOL_VERSION, "request_id": "r", "lease_s": 1.0}
-    claimed["digests"] = data.draw(digest_lists(real))
-    claim = decode_or_refuse(msgspec.msgpack.encode(claimed))
+    def source_digests(digests: object) -> bytes:
+        return msgspec.msgpack.encode({"type": "source_digests", "v": PROTOCOL_VERSION, "request_id": "r",
+                                       "digests": digests})  # fmt: skip
+
+    # the true reply decodes (else every drawn one would be refused and nothing below would run)
+    assert decode_or_refuse(source_digests(real)) is not None
+    claim = decode_or_refuse(source_digests(data.draw(digest_lists(real))))
     if claim is None:
         return
+    assert isinstance(claim, proto.SourceDigests)
 
     def page_digests_of(regions: list[int]) -> dict[int, list[int]]:
         true = {i: page_digests(plan, i, "src") for i in regions}
@@ -253,7 +258,7 @@ def check_replies(plan: TransferPlan, real: list[int], corrupt: bool, data: st.D
         return reply.pages
 
     try:
-        check_landed(plan, claim.digests or [], page_digests_of)
+        check_landed(plan, claim.digests, page_digests_of)
     except GlmPdError as exc:
         assert str(exc)
         assert corrupt or claim.digests != real, f"an intact load was refused: {exc}"

@@ -35,7 +35,8 @@ def _hello():
         _hello(),
         proto.TransferRequest(v=V, request_id="r", num_tokens=10, prefix_tokens=0, src_pages=[1], dst_pages=[2]),
         proto.Done(v=V, request_id="r"),
-        proto.Claimed(v=V, request_id="r", digests=None),
+        proto.Claimed(v=V, request_id="r"),
+        proto.SourceDigests(v=V, request_id="r", digests=[0, 2**64 - 1]),
         proto.Released(v=V, request_id="r"),
         proto.Query(v=V, engine_id="doctor"),
         proto.Failed(v=V, request_id="r", reason="x"),
@@ -69,7 +70,8 @@ def test_unknown_version_refused_before_shape():
         {"type": "renew", "v": V, "request_ids": [1]},
         {"type": "renew", "v": V, "request_ids": ["r"] * (proto.MAX_RENEW_IDS + 1)},  # past the cap: split it
         {"type": "renew", "v": V, "request_id": "r"},  # one id is a list of one
-        {"type": "claimed", "v": V, "request_id": "r", "digests": [-5]},
+        {"type": "source_digests", "v": V, "request_id": "r", "digests": [-5]},  # digests are uint64
+        {"type": "claimed", "v": V, "request_id": "r", "digests": [5]},  # since version 8 they follow the claim
         {"type": "claimed", "v": V, "request_id": "r", "lease_s": 1.0},  # sent in version 1, never read: gone
         {
             "type": "transfer",

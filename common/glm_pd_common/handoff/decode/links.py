@@ -136,9 +136,9 @@ class PrefillLinks:
         keep: frozenset[str] = frozenset(),
     ) -> Any:
         """Send (unless sent already) and wait for this request's answer; a ``Failed`` one raises ``Refused`` with
-        prefill's reason. What arrives meanwhile for a request in ``keep``, and this request's ``Progress`` (a
-        streamed transfer's, read while one of its slots is awaited), is put back for its own wait; a late answer
-        to an earlier request is skipped."""
+        prefill's reason. What arrives meanwhile for a request in ``keep``, and what prefill sends this request
+        unasked (a streamed transfer's ``Progress``, a claim's ``SourceDigests``, read while a slot is awaited),
+        is put back for its own wait; a late answer to an earlier request is skipped."""
         if send:
             link.client.send(msg)
         kept: list[protocol.Message] = []
@@ -157,7 +157,7 @@ class PrefillLinks:
                     )
                 if isinstance(reply, want):
                     return reply
-                if isinstance(reply, protocol.Progress):
+                if isinstance(reply, (protocol.Progress, protocol.SourceDigests)):
                     kept.append(reply)
                     continue
                 raise ProtocolError(f"prefill answered {type(reply).__name__} to {type(msg).__name__}")

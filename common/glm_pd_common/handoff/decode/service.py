@@ -190,8 +190,8 @@ class DecodeService:
                 if self.faults is not None and moving:
                     self.faults.landed(job.request_id, *moved_byte(moving[-1]))
                 for (peer, plan), claim in zip(pieces, claims, strict=True):
-                    if claim.digests is not None:
-                        self._verify(peer, plan, claim.digests, job.lease_id)
+                    if claim.verify:
+                        self._verify(peer, plan, claim)
                 self._fault(job, "before_release")
                 mark("pull")
             if job.stream_id and not job.read:  # nothing to read: prefill drops the transfer and its lease
@@ -290,7 +290,7 @@ class DecodeService:
         for peer in peers:
             peer.client.send(subscribe)
         handoff.advance(HandoffState.WAITING_FOR_INPUT)
-        pieces: list[tuple[PrefillLink, TransferPlan, protocol.Claimed]] = []
+        pieces: list[tuple[PrefillLink, TransferPlan, protocol.TransferRequest]] = []
         t0 = time.perf_counter()
         local = self.local
         posted = Batches(local.transport)
@@ -366,14 +366,14 @@ class DecodeService:
             for i, _, _ in claims:  # the tail read and the claims' round trips overlap
                 read(i)
             for i, plan, sent in claims:
-                answer = self._links.ask(peers[i], sent, feeds[i].lease_id, (protocol.Claimed,), send=False)
-                pieces.append((peers[i], plan, answer))
+                self._links.ask(peers[i], sent, feeds[i].lease_id, (protocol.Claimed,), send=False)
+                pieces.append((peers[i], plan, sent))
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
         count(result, posted, [(peer, plan) for peer, plan, _ in pieces], staged)
         for peer, plan, claim in pieces:
-            if claim.digests is not None:
-                self._verify(peer, plan, claim.digests, feeds[0].lease_id)
+            if claim.verify:
+                self._verify(peer, plan, claim)
         mark("pull")
         return feeds[0].lease_id
 
@@ -392,8 +392,11 @@ class DecodeService:
         for client in clients:
             client.send(protocol.Heartbeat(v=PROTOCOL_VERSION, engine_id=self.local.engine_id, seq=self._beats))
 
-    def _claim(self, peer: PrefillLink, plan: TransferPlan, job: LoadJob, slot_bytes: int) -> protocol.Claimed:
-        return self._links.ask(peer, self._claim_of(plan, job, slot_bytes), job.lease_id, (protocol.Claimed,))
+    def _claim(self, peer: PrefillLink, plan: TransferPlan, job: LoadJob, slot_bytes: int) -> protocol.TransferRequest:
+        """Claim ``plan``'s pages of ``peer``; returns the claim, once prefill answered that decode may read."""
+        claim = self._claim_of(plan, job, slot_bytes)
+        self._links.ask(peer, claim, job.lease_id, (protocol.Claimed,))
+        return claim
 
     def _claim_of(self, plan: TransferPlan, job: LoadJob, slot_bytes: int = 0) -> protocol.TransferRequest:
         return protocol.TransferRequest(
@@ -407,7 +410,11 @@ class DecodeService:
             slot_bytes=slot_bytes,
         )
 
-    def _verify(self, peer: PrefillLink, plan: TransferPlan, digests: list[int], request_id: str) -> None:
+    def _verify(self, peer: PrefillLink, plan: TransferPlan, claim: protocol.TransferRequest) -> None:
+        """Check what landed against prefill's digests of the claim's source pages (computed while decode read)."""
+        request_id = claim.request_id
+        digests = self._links.ask(peer, claim, request_id, (protocol.SourceDigests,), send=False).digests
+
         def page_digests_of(regions: list[int]) -> dict[int, list[int]]:
             query = protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=request_id, region_indices=regions)
             return self._links.ask(peer, query, request_id, (protocol.PageDigests,)).pages

@@ -15,9 +15,9 @@ Leases measure decode's time: every deadline here reads the service clock (``clo
 thread is away (held up between two waits or inside one, as when the process is stopped), so every lease, pending
 claim, unready grant, waiting subscription and decode's silence is held over by as long, and what queued meanwhile
 is answered before leases expire.
-A claim that asks for digests is answered once a digest thread has computed them (a long request's runs are
-gigabytes), as is a decode's page-digest query after a mismatch, so the service thread serves every other request
-meanwhile.
+A claim is answered at once; the digests a verifying claim asks for are computed on a digest thread (a long
+request's runs are gigabytes) while decode reads, and sent when done, as is the answer to a decode's page-digest
+query after a mismatch, so the service thread serves every other request meanwhile.
 Decode renews the leases of requests still waiting for its blocks (``Renew``); only unclaimed live leases
 are extended.
 A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
@@ -374,11 +374,10 @@ class PrefillService:
             return
         if msg.slot_bytes:
             self._staged.open(ident, msg.request_id, plan, msg.slot_bytes)
-        if not msg.verify:
-            self.server.send(ident, protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id))
-            return
-        self._leases.keep_plan(msg.request_id, ident, plan)
-        self._digests.submit(ident, msg.request_id, plan)  # answered when they are back (``_on_digested``)
+        self.server.send(ident, protocol.Claimed(v=PROTOCOL_VERSION, request_id=msg.request_id))
+        if msg.verify:  # digested while decode reads (the pages are held and no longer written)
+            self._leases.keep_plan(msg.request_id, ident, plan)
+            self._digests.submit(ident, msg.request_id, plan)  # sent when they are back (``_on_digested``)
 
     def _on_stream_read(self, ident: bytes, msg: protocol.StreamRead) -> None:
         """A subscriber reads tokens already announced of its streamed transfer in slots: the claim's rule over
@@ -420,8 +419,8 @@ class PrefillService:
         self.server.wake()
 
     def _on_digested(self, done: Digested) -> None:
-        """Answer the claim whose digests came back, if its lease is still claimed by that decode rank (one that
-        ended meanwhile is failed as it ended: the claimant waits for an answer)."""
+        """Send a claim's digests, if its lease is still claimed by that decode rank (one that ended meanwhile is
+        failed as it ended: the claimant waits for the digests)."""
         lease = self._leases.get(done.request_id)
         if lease is None or lease.state is not LeaseState.CLAIMED or done.ident not in lease.claimants:
             ended = self._leases.ended.get(done.request_id) or "it ended"
@@ -430,8 +429,8 @@ class PrefillService:
         elif done.digests is None:
             self._fail(done.ident, done.request_id, done.error, "digest")
         else:
-            claimed = protocol.Claimed(v=PROTOCOL_VERSION, request_id=done.request_id, digests=done.digests)
-            self.server.send(done.ident, claimed)
+            digests = protocol.SourceDigests(v=PROTOCOL_VERSION, request_id=done.request_id, digests=done.digests)
+            self.server.send(done.ident, digests)
 
     def _wait(self, ident: bytes, msg: protocol.TransferRequest | protocol.Done, pages: int) -> None:
         """Keep a message that came before its grant, within the caps (refused by name past them, kept never)."""

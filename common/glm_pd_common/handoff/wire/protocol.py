@@ -28,7 +28,8 @@ Version history:
   Digests are ``layout.digest_words``' keyed word sums (computable on a GPU), no longer xxh3-64.
 - 8: staged streamed reads: a subscriber asks prefill to cut a span of the tokens already announced into slots
   (``stream_read``), asks for each slot as in a staged claim (``gather``), and ends the read (``read_done``), so
-  its slot pair goes back while the transfer runs on.
+  its slot pair goes back while the transfer runs on. A claim is answered ``claimed`` at once; the digests a
+  verifying claim asked for follow in ``source_digests``, computed while decode reads.
 
 A message is decoded whole and checked before anything acts on it: the size cap first, then the version
 from a minimal header, then the full shape. Nothing is half-applied.
@@ -133,10 +134,17 @@ class TransferRequest(_Base, tag="transfer", frozen=True):
 
 
 class Claimed(_Base, tag="claimed", frozen=True):
-    """Prefill holds the pages until decode's done (or its timeout); ``digests`` are its per-region source digests."""
+    """Prefill holds the pages until decode's done (or its timeout): decode may read. A claim that asked to verify
+    gets prefill's digests after this (``source_digests``), computed while decode reads."""
 
     request_id: Id
-    digests: list[Digest] | None = None
+
+
+class SourceDigests(_Base, tag="source_digests", frozen=True):
+    """Prefill's per-region digests of the bytes a claim reads (its source pages), in the plan's region order."""
+
+    request_id: Id
+    digests: list[Digest]
 
 
 class Released(_Base, tag="released", frozen=True):
@@ -247,6 +255,7 @@ Message = Union[
     Query,
     TransferRequest,
     Claimed,
+    SourceDigests,
     Released,
     Done,
     Failed,
