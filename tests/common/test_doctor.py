@@ -100,6 +100,9 @@ def prefill_peer(credential):
         "lease_s": 20,
         "credential": credential,
         "device": None,
+        "staging": "never",
+        "staging_mib": 256,
+        "staging_slot_kib": 32768,
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "glm_pd_common.tools.demo_peers", "prefill"],
