@@ -1,12 +1,13 @@
-"""Prefill's side of staged reads: each claimant's plan cut into slots, gathered on request into a pair of
-staging slots on threads of their own (on a GPU: one indexed copy per slot, waited for), and handed back to the
-service thread to answer ``Gathered``.
+"""Prefill's side of staged reads: each claimant's plan (or a subscriber's span of a streamed transfer) cut
+into slots, gathered on request into a pair of staging slots on threads of their own (on a GPU: one indexed copy
+per slot, waited for), and handed back to the service thread to answer ``Gathered``.
 
 Decode asks for slots 0 and 1, then for slot ``k + 2`` once it has read slot ``k``, so slot ``k`` reuses the
 pair's slot ``k % 2`` and the gather of the next slot overlaps decode's read of this one. A read holds its pair
-from its first gather until decode's confirmation or the lease's end; reads that find no pair free wait in
-order. What one decode can make prefill do is bounded by its claim: one read per claim, each slot asked once, in
-order (asking ahead only overwrites the asker's own slots).
+from its first gather until decode's confirmation (``Done``, or ``ReadDone`` for a streamed span) or the end of
+its lease or transfer; reads that find no pair free wait in order. What one decode can make prefill do is bounded
+by what it was granted: one read per claim (per transfer at a time), each slot asked once, in order (asking
+ahead only overwrites the asker's own slots).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class StagedReads:
         )
 
     def refusal(self, ident: bytes, request_id: str, slot_bytes: int) -> str:
-        """Why a claim asking for slots of ``slot_bytes`` cannot be read staged ("" if it can)."""
+        """Why a claim or stream read asking for slots of ``slot_bytes`` cannot be read staged ("" if it can)."""
         if self.staging is None:
             return "this prefill rank has no staging buffer: post the runs directly"
         if not 0 < slot_bytes <= self.staging.slot_bytes:
@@ -70,7 +71,7 @@ class StagedReads:
         return ""
 
     def open(self, ident: bytes, request_id: str, plan: TransferPlan, slot_bytes: int) -> None:
-        """Cut a claim's plan into decode's slots (``refusal`` said it may)."""
+        """Cut a claim's or stream read's plan into decode's slots (``refusal`` said it may)."""
         self._reads[(request_id, ident)] = _Read(staged_runs(plan, slot_bytes))
 
     def ask(self, ident: bytes, msg: protocol.Gather) -> str:
@@ -105,7 +106,8 @@ class StagedReads:
         return protocol.Gathered(v=PROTOCOL_VERSION, request_id=done.request_id, slot=done.slot, offset=done.offset)
 
     def close(self, request_id: str, ident: bytes | None = None) -> None:
-        """End the reads of a lease (``ident``: that decode rank's only); pairs go back once no gather runs."""
+        """End the reads of a lease or transfer (``ident``: that decode rank's only); pairs go back once no gather
+        runs."""
         for key in [k for k in self._reads if k[0] == request_id and ident in (None, k[1])]:
             self._reads[key].closed = True
             if not self._reads[key].busy:
