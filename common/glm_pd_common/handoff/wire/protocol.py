@@ -207,7 +207,8 @@ class Progress(_Base, tag="progress", frozen=True):
 
 
 class Gather(_Base, tag="gather", frozen=True):
-    """Decode, staged: gather slot ``slot`` of the claimed plan (decode is done reading slot ``slot - 2``)."""
+    """Decode, staged: gather slot ``slot`` of the claimed plan, or of the open stream read of transfer
+    ``request_id`` (decode is done reading slot ``slot - 2``)."""
 
     request_id: Id
     slot: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
