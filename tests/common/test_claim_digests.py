@@ -2,12 +2,13 @@
 thread (issue 28, item 2): a long request's digests read gigabytes (seconds on the host), and the service thread
 answers every other decode. A claim is answered at once, so decode reads while prefill digests.
 
-The slow read is a test double (``HeldMemory`` and its kin: host reads one of whose digests waits until the test
-lets it go), so the premise, one digest still running while another decode claims, holds by construction."""
+The slow read is a test double (``HeldMemory``: host reads one of whose digests waits until the test lets it
+go), so the premise, one digest still running while another decode claims, holds by construction."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -24,16 +25,18 @@ HOLD_S = 30.0  # the held digest lets go by itself after this (the old code's se
 
 
 class HeldMemory(HostMemory):
-    """Host reads; the first digest's read waits for ``release`` (a stand-in for a long request's digest)."""
+    """Host reads; the first digest that ``holds`` picks (by its runs' offsets; default the first of all) waits
+    for ``release`` (a stand-in for a long request's digest). ``threads``: where every digest ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, holds: Callable[[np.ndarray], bool] = lambda _: True) -> None:
         super().__init__()
+        self.holds = holds
         self.entered, self.release = threading.Event(), threading.Event()
         self.threads: set[str] = set()
 
     def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
         self.threads.add(threading.current_thread().name)
-        if not self.entered.is_set():
+        if not self.entered.is_set() and self.holds(offsets):
             self.entered.set()
             self.release.wait(HOLD_S)
         return super().digest(region, offsets, lengths)
@@ -62,28 +65,12 @@ def test_a_claim_being_digested_holds_up_no_other_decode(small_spec) -> None:
             side.close()
 
 
-class HeldPageMemory(HostMemory):
-    """Host reads; the first digest of fewer runs than the request has pages (a page of a page-digest query: one or
-    two runs; a region digest covers every page, and no two of prefill's pages are adjacent) waits for
-    ``release``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entered, self.release = threading.Event(), threading.Event()
-        self.threads: set[str] = set()
-
-    def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
-        if offsets.size < PAGES and not self.entered.is_set():
-            self.threads.add(threading.current_thread().name)
-            self.entered.set()
-            self.release.wait(HOLD_S)
-        return super().digest(region, offsets, lengths)
-
-
 def test_a_page_digest_query_being_answered_holds_up_no_other_decode(small_spec) -> None:
     """A's read lands corrupted; its check asks prefill for per-page digests, which are held: B's whole load is
     served meanwhile, then A fails naming the page."""
-    held = HeldPageMemory()
+    # a page of a page-digest query: one or two runs; a region digest covers every page, and no two of prefill's
+    # pages are adjacent
+    held = HeldMemory(holds=lambda offsets: offsets.size < PAGES)
     prefill = Prefill(small_spec, memory=held)
     verifying, plain = Decode(small_spec, "decode-a"), Decode(small_spec, "decode-b", verify=False)
     first: dict[str, LoadResult] = {}
@@ -105,24 +92,11 @@ def test_a_page_digest_query_being_answered_holds_up_no_other_decode(small_spec)
             side.close()
 
 
-class ArmedMemory(HostMemory):
-    """Host reads; once ``armed``, the next digest waits for ``release``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed, self.entered, self.release = threading.Event(), threading.Event(), threading.Event()
-
-    def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
-        if self.armed.is_set() and not self.entered.is_set():
-            self.entered.set()
-            self.release.wait(HOLD_S)
-        return super().digest(region, offsets, lengths)
-
-
 def test_a_decode_has_one_page_digest_query_of_a_request_answered_at_a_time(small_spec) -> None:
     """A hostile decode cannot queue up reads of prefill's memory: a second query of the same request while the
     first is being answered is refused by name; once answered, it may ask again."""
-    held = ArmedMemory()
+    armed = threading.Event()
+    held = HeldMemory(holds=lambda _: armed.is_set())
     with rivals(small_spec, memory=held) as (prefill, owner, _):
         table = [int(p) for p in prefill.table[:4]]
         prefill.service.grant("r", prefill.table[:4])
@@ -130,7 +104,7 @@ def test_a_decode_has_one_page_digest_query_of_a_request_answered_at_a_time(smal
                                             src_pages=table, dst_pages=[0, 1, 2, 3], verify=True))  # fmt: skip
         assert isinstance(owner.recv(10.0), protocol.Claimed)
         assert isinstance(owner.recv(10.0), protocol.SourceDigests)  # the claim's digests, before any is held
-        held.armed.set()
+        armed.set()
         query = protocol.DigestQuery(v=V, request_id="r", region_indices=[0])
         owner.send(query)
         assert held.entered.wait(10.0), "the query was never answered"

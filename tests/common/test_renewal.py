@@ -54,7 +54,7 @@ def test_renewals_keep_a_waiting_request_past_its_lease(small_spec, monkeypatch,
     held and load byte-exactly; the other expired and its load fails as ``lease_expired`` even though it was
     renewed after expiring; a renewal of an id prefill never granted is ignored."""
     monkeypatch.setattr(renewals, "MAX_RENEW_IDS", 2)
-    caplog.set_level(logging.DEBUG, logger="glm_pd_common.handoff.prefill.service")
+    caplog.set_level(logging.DEBUG, logger="glm_pd_common.handoff.prefill.renewing")
     prefill, decode = Prefill(small_spec, lease_s=LEASE_S, timeout_s=5.0), Decode(small_spec, timeout_s=5.0)
     kept = ["kept-0", "kept-1", "kept-2"]
     try:

@@ -1,13 +1,14 @@
 """Staged streamed reads, from a hostile decode's side: prefill cuts a span into slots only for a subscriber of
 the transfer, only over tokens it announced written and the pages the claim's rule gives, and its slot pair goes
-back when decode ends the read or the transfer ends (real services on NIXL, decodes driven by hand)."""
+back when decode ends the read, the transfer ends or decode is forgotten (real services on NIXL, decodes driven
+by hand)."""
 
 from __future__ import annotations
 
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.handoff.wire.sidechannel import SideChannelClient
-from tests.support.services import PAGE_TOKENS, Prefill, rivals, wait_for
+from tests.support.services import PAGE_TOKENS, Prefill, endpoint, rivals, wait_for
 
 V = PROTOCOL_VERSION
 SLOT = 8192
@@ -85,10 +86,10 @@ def test_slots_of_a_stream_are_cut_only_for_its_subscriber_over_what_was_written
         assert prefill.service.leftovers()["streams"] == 0
 
 
-def test_a_decode_gone_mid_read_gives_its_pair_back(small_spec) -> None:
-    """A subscriber that opened a read and went silent: prefill forgets it and the pair goes back to others. (Its
-    silence is long enough that the steps before it, each waiting for prefill's answer, never come near it.)"""
-    with rivals(small_spec, streamed=True, slot_bytes=SLOT, pairs=1, idle_s=4.0) as (prefill, owner, _):
+def test_a_decode_forgotten_mid_read_gives_its_pair_back(small_spec) -> None:
+    """A subscriber that opened a read and then said hello again (a restart on the same connection): prefill
+    forgets what the old one held, as it forgets a silent one, and the pair goes back to others."""
+    with rivals(small_spec, streamed=True, slot_bytes=SLOT, pairs=1) as (prefill, owner, _):
         prefill.service.open_stream("t", 2 * PAGE_TOKENS)
         owner.send(protocol.Subscribe(v=V, request_id="t", num_tokens=2 * PAGE_TOKENS))
         prefill.service.advance_stream("t", prefill.table[:2], 2 * PAGE_TOKENS)
@@ -96,5 +97,8 @@ def test_a_decode_gone_mid_read_gives_its_pair_back(small_spec) -> None:
         owner.send(_read("t", [int(p) for p in prefill.table[:2]], 2 * PAGE_TOKENS))
         owner.send(protocol.Gather(v=V, request_id="t", slot=0))
         assert _next(owner, protocol.Gathered).slot == 0  # the read holds the only pair now
+        _, again = endpoint(small_spec, "owner-again", 10.0)
+        owner.send(again.hello(again.transport.metadata()))
+        assert isinstance(_next(owner, protocol.Hello), protocol.Hello)
         held = wait_for(prefill.service.leftovers, lambda h: h["staging_pairs"] == 0, 30.0)
         assert held["staging_pairs"] == 0, held

@@ -22,12 +22,11 @@ DIGEST_THREADS = 2  # claims digested at once (each reads its plan's source runs
 
 @dataclass(frozen=True)
 class Digested:
-    """A claim's digests on their way back to the service thread (or why there are none)."""
+    """A claim's digests on their way back to the service thread: ``SourceDigests``, or ``Failed`` naming why
+    there are none."""
 
     ident: bytes
-    request_id: str
-    digests: list[int] | None
-    error: str = ""
+    answer: protocol.SourceDigests | protocol.Failed
 
 
 @dataclass(frozen=True)
@@ -83,9 +82,14 @@ class ClaimDigests:
 
     def _digest(self, ident: bytes, request_id: str, plan: TransferPlan) -> None:
         try:
-            done = Digested(ident, request_id, plan_digests(plan, "src", self._memory))
+            digests = plan_digests(plan, "src", self._memory)
+            answer: protocol.SourceDigests | protocol.Failed = protocol.SourceDigests(
+                v=PROTOCOL_VERSION, request_id=request_id, digests=digests
+            )
         except Exception as exc:  # memory this rank cannot read (or a bug): decode's verification cannot be served
-            done = Digested(ident, request_id, None, str(exc) if isinstance(exc, GlmPdError) else repr(exc))
+            why = protocol.clip(str(exc) if isinstance(exc, GlmPdError) else repr(exc))
+            answer = protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=why, code="digest")
+        done = Digested(ident, answer)
         self._deliver(done)
 
     def close(self) -> None:

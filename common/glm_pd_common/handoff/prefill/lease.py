@@ -229,6 +229,11 @@ class LeaseTable:
         lease = self._leases.get(request_id)
         return lease is None or not lease.owner or lease.owner == decode_engine
 
+    def claimed_by(self, request_id: str, ident: bytes) -> bool:
+        """Whether decode rank ``ident`` claimed this live lease (and may read it)."""
+        lease = self._leases.get(request_id)
+        return lease is not None and lease.state is LeaseState.CLAIMED and ident in lease.claimants
+
     def expect(self, request_id: str, releases: int) -> None:
         """Set how many decode ranks will confirm, once (the first decode rank to speak knows the TP shape)."""
         lease = self._leases.get(request_id)

@@ -18,8 +18,7 @@ is answered before leases expire.
 A claim is answered at once; the digests a verifying claim asks for are computed on a digest thread (a long
 request's runs are gigabytes) while decode reads, and sent when done, as is the answer to a decode's page-digest
 query after a mismatch, so the service thread serves every other request meanwhile.
-Decode renews the leases of requests still waiting for its blocks (``Renew``); only unclaimed live leases
-are extended.
+Decode renews the leases of requests still waiting for its blocks (``Renew``, ``renewing``).
 A decode peer is kept while it is heard from (decode sends heartbeats while idle): a new hello from the
 same agent (a restart, or a re-handshake after a failed load) replaces it, and a peer silent for
 ``peer_idle_s`` that holds no claim (on a live lease, or waiting for one) is forgotten; either way its agent
@@ -40,6 +39,7 @@ import logging
 import queue
 import threading
 import time
+from functools import partial
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from glm_pd_common.handoff.prefill.lease import Finished, Grant, Lease, LeaseSta
 from glm_pd_common.handoff.prefill.pairing import claim_plan, expected_releases_from
 from glm_pd_common.handoff.prefill.peers import DecodePeers, admit
 from glm_pd_common.handoff.prefill.ready import ReadyEvent
+from glm_pd_common.handoff.prefill.renewing import renew
 from glm_pd_common.handoff.prefill.staged import GatherDone, StagedReads
 from glm_pd_common.handoff.prefill.streams import Advance, Outgoing, StreamCall, StreamTable
 from glm_pd_common.handoff.queues import drain
@@ -263,11 +264,10 @@ class PrefillService:
             self._fail(ident, msg.request_id, why, "invalid_params")
 
     def _on_subscribe(self, ident: bytes, msg: protocol.Subscribe) -> None:
+        full = self._streams.subscriptions() >= self.caps.subscriptions
         if not self.streamed:
             self._fail(ident, msg.request_id, "this prefill runs without streamed transfers", "refused_peer")
-        elif self._streams.subscriptions() >= self.caps.subscriptions and not self._streams.subscribed(
-            ident, msg.request_id
-        ):
+        elif full and not self._streams.subscribed(ident, msg.request_id):
             why = f"prefill serves at most {self.caps.subscriptions} streamed subscriptions at once"
             self._fail(ident, msg.request_id, why, "refused_peer")
         else:
@@ -327,27 +327,11 @@ class PrefillService:
         if ident not in self._decodes:
             logger.debug("glm-pd prefill: ignored a renewal of %d lease(s) from an unknown peer", len(msg.request_ids))
             return
-        engine = self._decodes.engine(ident)
-        mine = [i for i in msg.request_ids if self._streams.owned(i, engine)]  # another's transfer: not renewed
-        for request_id in [self._streams.lease_of(i) or i for i in mine]:  # a transfer id: its lease
-            if not self._leases.may_act(request_id, engine):
-                logger.debug("glm-pd prefill: renewal of %s ignored: it belongs to another decode", request_id)
-                continue
-            lease = self._leases.get(request_id)
-            if lease is not None and lease.state is LeaseState.UNREADY:
-                logger.debug("glm-pd prefill: renewal of %s ignored: its pages are not ready yet", request_id)
-                continue
-            try:
-                if not self._leases.renew(request_id, engine):
-                    logger.debug("glm-pd prefill: renewal of %s ignored: decode has claimed it", request_id)
-            except LeaseExpired as exc:
-                logger.debug("glm-pd prefill: renewal ignored: %s", exc)
+        renew(self._leases, self._streams, self._decodes.engine(ident), msg.request_ids)
 
     def _on_claim(self, ident: bytes, msg: protocol.TransferRequest) -> None:
-        ended = self._leases.ended.get(msg.request_id)
-        if ended is not None:
-            code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
-            self._fail(ident, msg.request_id, f"prefill's lease on this request already ended: {ended}", code)
+        if msg.request_id in self._leases.ended:
+            self._gone(ident, msg.request_id, "prefill's lease on this request already ended")
             return
         held = self._leases.held(msg.request_id)
         if held is None:
@@ -369,7 +353,7 @@ class PrefillService:
             self._leases.expect(msg.request_id, expected_releases_from(self.local, decode.peer))
             self._leases.claim(msg.request_id, by=ident, owner=decode.peer.engine_id)
         except GlmPdError as exc:
-            code = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages or plan
+            code: FailureCode = "lease_expired" if isinstance(exc, LeaseExpired) else "invalid_params"  # pages, plan
             self._fail(ident, msg.request_id, str(exc), code)
             return
         if msg.slot_bytes:
@@ -383,34 +367,18 @@ class PrefillService:
         """A subscriber reads tokens already announced of its streamed transfer in slots: the claim's rule over
         the pages announced so far, none past the tokens written."""
         seen = self._streams.readable(ident, msg.request_id)
+        plan_of = partial(claim_plan, self.local, self._decodes[ident].peer)
         if seen is None:
             self._fail(ident, msg.request_id, "this decode holds no subscription to that transfer", "refused_peer")
-            return
-        pages, ready_tokens = seen
-        why = self._staged.refusal(ident, msg.request_id, msg.slot_bytes)
-        if not why and msg.num_tokens > ready_tokens:
-            why = f"tokens up to {msg.num_tokens} asked; prefill has written {ready_tokens}"
-        if not why:
-            try:
-                plan = claim_plan(self.local, self._decodes[ident].peer, pages, msg)
-                self._staged.open(ident, msg.request_id, plan, msg.slot_bytes)
-            except GlmPdError as exc:
-                why = str(exc)
-        if why:
+        elif why := self._staged.open_stream(ident, msg, *seen, plan_of):
             self._fail(ident, msg.request_id, why, "invalid_params")
 
     def _on_gather(self, ident: bytes, msg: protocol.Gather) -> None:
         """Decode asks for a slot of its staged read: only the claimant of a live claimed lease, or a subscriber
         of the streamed transfer, is served."""
-        lease = self._leases.get(msg.request_id)
-        claimed = lease is not None and lease.state is LeaseState.CLAIMED and ident in lease.claimants
-        if not claimed and self._streams.readable(ident, msg.request_id) is None:
-            ended = self._leases.ended.get(msg.request_id)
-            code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
-            self._fail(ident, msg.request_id, f"no claimed lease or subscription of this decode ({ended})", code)
-            return
-        why = self._staged.ask(ident, msg)
-        if why:
+        if not self._leases.claimed_by(msg.request_id, ident) and self._streams.readable(ident, msg.request_id) is None:
+            self._gone(ident, msg.request_id, "no claimed lease or subscription of this decode")
+        elif why := self._staged.ask(ident, msg):
             self._fail(ident, msg.request_id, why, "invalid_params")
 
     def _deliver(self, done: Digested | PagesDigested | GatherDone) -> None:
@@ -421,16 +389,10 @@ class PrefillService:
     def _on_digested(self, done: Digested) -> None:
         """Send a claim's digests, if its lease is still claimed by that decode rank (one that ended meanwhile is
         failed as it ended: the claimant waits for the digests)."""
-        lease = self._leases.get(done.request_id)
-        if lease is None or lease.state is not LeaseState.CLAIMED or done.ident not in lease.claimants:
-            ended = self._leases.ended.get(done.request_id) or "it ended"
-            code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
-            self._fail(done.ident, done.request_id, f"prefill's lease on this request already ended: {ended}", code)
-        elif done.digests is None:
-            self._fail(done.ident, done.request_id, done.error, "digest")
+        if self._leases.claimed_by(done.answer.request_id, done.ident):
+            self.server.send(done.ident, done.answer)
         else:
-            digests = protocol.SourceDigests(v=PROTOCOL_VERSION, request_id=done.request_id, digests=done.digests)
-            self.server.send(done.ident, digests)
+            self._gone(done.ident, done.answer.request_id, "prefill's lease on this request already ended")
 
     def _wait(self, ident: bytes, msg: protocol.TransferRequest | protocol.Done, pages: int) -> None:
         """Keep a message that came before its grant, within the caps (refused by name past them, kept never)."""
@@ -505,6 +467,12 @@ class PrefillService:
     def _not_theirs(self, ident: bytes, request_id: str) -> None:
         why = f"request {protocol.clip(request_id, 80)} was granted to another decode; this one may not act on it"
         self._fail(ident, request_id, why, "refused_peer")
+
+    def _gone(self, ident: bytes, request_id: str, what: str) -> None:
+        """Fail a message about a lease this decode no longer holds claimed, saying how the lease ended."""
+        ended = self._leases.ended.get(request_id)
+        code: FailureCode = "aborted" if ended == "aborted" else "lease_expired"
+        self._fail(ident, request_id, f"{what}: {ended or 'it is not claimed by this decode'}", code)
 
     def _fail(self, ident: bytes, request_id: str, reason: str, code: FailureCode) -> None:
         failed = protocol.Failed(v=PROTOCOL_VERSION, request_id=request_id, reason=protocol.clip(reason), code=code)

@@ -17,6 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from glm_pd_common.errors import GlmPdError
 from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.protocol import PROTOCOL_VERSION
 from glm_pd_common.layout.plan import TransferPlan
@@ -73,6 +76,27 @@ class StagedReads:
     def open(self, ident: bytes, request_id: str, plan: TransferPlan, slot_bytes: int) -> None:
         """Cut a claim's or stream read's plan into decode's slots (``refusal`` said it may)."""
         self._reads[(request_id, ident)] = _Read(staged_runs(plan, slot_bytes))
+
+    def open_stream(
+        self,
+        ident: bytes,
+        msg: protocol.StreamRead,
+        pages: np.ndarray,
+        ready_tokens: int,
+        plan_of: Callable[[np.ndarray, protocol.StreamRead], TransferPlan],
+    ) -> str:
+        """Open a subscriber's read of a span of its transfer (``pages`` announced so far, ``ready_tokens``
+        written): none past the tokens written, its plan the claim's rule over those pages (``plan_of`` raises
+        naming what is off). Returns why not ("" when opened)."""
+        why = self.refusal(ident, msg.request_id, msg.slot_bytes)
+        if not why and msg.num_tokens > ready_tokens:
+            why = f"tokens up to {msg.num_tokens} asked; prefill has written {ready_tokens}"
+        if not why:
+            try:
+                self.open(ident, msg.request_id, plan_of(pages, msg), msg.slot_bytes)
+            except GlmPdError as exc:
+                why = str(exc)
+        return why
 
     def ask(self, ident: bytes, msg: protocol.Gather) -> str:
         """Queue a slot decode asked for; returns why not ("" when queued)."""
