@@ -29,6 +29,10 @@ class CudaDevice:
         self._context = ctypes.c_void_p()
         self._call("cuDevicePrimaryCtxRetain", ctypes.byref(self._context), index)
         self.make_current()
+        # called once per run by a staging copy: typed here rather than wrapped per call
+        self._copy = self._cuda.cuMemcpyDtoDAsync_v2
+        self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._copy.restype = ctypes.c_int
 
     def _call(self, name: str, *args: object) -> None:
         status = getattr(self._cuda, name)(*args)
@@ -56,3 +60,19 @@ class CudaDevice:
         self._call(
             "cuMemcpyDtoH_v2", ctypes.c_void_p(host.ctypes.data), ctypes.c_uint64(pointer), ctypes.c_size_t(host.nbytes)
         )
+
+    def new_stream(self) -> int:
+        """A stream on this device that does not wait for the legacy default stream (for one thread's copies)."""
+        handle = ctypes.c_void_p()
+        self._call("cuStreamCreate", ctypes.byref(handle), ctypes.c_uint(1))  # CU_STREAM_NON_BLOCKING
+        return int(handle.value or 0)
+
+    def copy_async(self, dst: int, src: int, size: int, stream: int) -> None:
+        """``size`` bytes from device address ``src`` to ``dst``, queued on ``stream``."""
+        status = self._copy(dst, src, size, stream)
+        if status != 0:
+            raise ConfigError(f"cuMemcpyDtoDAsync_v2 on GPU {self.index} failed: CUDA error {status}")
+
+    def synchronize(self, stream: int) -> None:
+        """Wait until everything queued on ``stream`` is done."""
+        self._call("cuStreamSynchronize", ctypes.c_void_p(stream))

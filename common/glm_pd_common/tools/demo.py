@@ -265,7 +265,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--staging",
         choices=STAGE_MODES,
         default="auto",
-        help="move runs through staging slots: always (host caches), auto and never post directly here",
+        help="move runs through staging slots: always, never, or auto (GPU caches with short runs, as the engines)",
     )
     p.add_argument("--staging-mib", type=int, default=256, help="each side's staging buffer")
     p.add_argument("--staging-slot-kib", type=int, default=32768, help="one slot: what one descriptor moves")
