@@ -79,6 +79,10 @@ class NotingReader:
         self.devices.note("copy")
         return HOST.digest(region, offsets, lengths)
 
+    def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
+        self.devices.note("copy")
+        return HOST.word_sum(region, offsets, lengths, first_byte)
+
 
 def concurrent_misses(digest: Callable[[int], int], expected: list[int], rounds: int = 40) -> list[int]:
     """Run ``digest(i)`` ``rounds`` times on one thread per lane ``i`` (all at once); the lanes whose result

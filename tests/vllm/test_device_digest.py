@@ -1,20 +1,23 @@
 """Digests on the device (issue 28 item 2), with torch's CPU ops here (tests/gpu runs the same reader on CUDA): the
 torch reader's digest equals the host reader's (numpy) for the same bytes, over random runs cut into slots of
-any number of blocks, tails that end mid-word and runs that cross slot boundaries; per-page digests of a
-converted plan agree; two threads digesting through one reader get their own bytes. (The vLLM suite, because
-the core's venv has no torch.)"""
+any number of blocks, tails that end mid-word and runs that cross slot boundaries, and summed in parts; per-page
+digests of a converted plan agree; two threads digesting through one reader get their own bytes. (The vLLM
+suite, because the core's venv has no torch.)"""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glm_pd_common.layout.digest_words import BLOCK_BYTES
+from glm_pd_common.layout.digest_words import BLOCK_BYTES, MASK, finish
 from glm_pd_common.layout.geometry import ModelGeometry
 from glm_pd_common.layout.pages import suffix_pages
 from glm_pd_common.layout.plan import build_plan
+from glm_pd_common.layout.slots import runs_between
 from glm_pd_common.layout.spec import CacheSpec
 from glm_pd_common.tools.flat import flat_span
 from glm_pd_common.tools.hostmem import HostCaches
@@ -50,6 +53,23 @@ def test_torch_digests_equal_numpy_digests(data: st.DataObject) -> None:
         [data.draw(st.integers(0, (MEMORY.size - int(n)) // align)) * align for n in lengths], dtype=np.int64
     )
     assert reader.digest(region, offsets, lengths) == HOST.digest(region, offsets, lengths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_torch_sums_of_a_streams_parts_add_up_to_its_numpy_digest(data: st.DataObject) -> None:
+    """A staged read's landed slots are summed in parts from whole blocks (``LandedDigests``)."""
+    region = flat_span(MEMORY.ctypes.data, MEMORY.size)
+    reader = TorchMemory(torch, scratch_bytes=BLOCK_BYTES * data.draw(st.integers(1, 2)))
+    lengths = np.array(data.draw(st.lists(st.integers(0, 2 * BLOCK_BYTES), min_size=1, max_size=6)), dtype=np.int64)
+    offsets = np.array([data.draw(st.integers(0, MEMORY.size - int(n))) for n in lengths], dtype=np.int64)
+    total = int(lengths.sum())
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, total // BLOCK_BYTES)), max_size=3))))
+    bounds = [0, *(c * BLOCK_BYTES for c in cuts if c * BLOCK_BYTES < total), total]
+    h = 0
+    for first, last in itertools.pairwise(bounds):
+        h = (h + reader.word_sum(region, *runs_between(offsets, lengths, first, last), first)) & MASK
+    assert finish(h, total) == HOST.digest(region, offsets, lengths)
 
 
 def test_a_changed_byte_changes_the_torch_digest() -> None:

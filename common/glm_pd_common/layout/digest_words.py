@@ -92,12 +92,15 @@ def words_sum(words: np.ndarray, first_word: int) -> int:
 
 
 class WordSum:
-    """A digest of a stream fed in pieces of any length (host bytes), in stream order."""
+    """The word sum ``h`` of a stream fed in pieces of any length (host bytes), in stream order, from its byte
+    ``first_byte`` on (a whole word: the sums of consecutive parts of a stream add up to the whole's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_byte: int = 0) -> None:
+        if first_byte % WORD_BYTES:
+            raise ValueError(f"a word sum starts at a whole word, not at byte {first_byte}")
         self._h = 0
         self._num_bytes = 0
-        self._num_words = 0  # whole words summed so far: the position of the next one
+        self._num_words = first_byte // WORD_BYTES  # the position of the next whole word
         self._carry = b""  # the 0-3 bytes of a word the next piece completes
 
     def update(self, data: Bytes) -> None:
@@ -118,12 +121,16 @@ class WordSum:
         self._h = (self._h + words_sum(words, self._num_words)) & MASK
         self._num_words += words.size
 
+    def h(self) -> int:
+        """The sum so far, a last partial word zero-padded (so it ends its stream)."""
+        if not self._carry:
+            return self._h
+        tail = np.frombuffer(self._carry.ljust(WORD_BYTES, b"\0"), dtype="<i4")
+        return (self._h + words_sum(tail, self._num_words)) & MASK
+
     def digest(self) -> int:
-        h = self._h
-        if self._carry:
-            tail = np.frombuffer(self._carry.ljust(WORD_BYTES, b"\0"), dtype="<i4")
-            h = (h + words_sum(tail, self._num_words)) & MASK
-        return finish(h, self._num_bytes)
+        """The digest of a stream fed from its first byte."""
+        return finish(self.h(), self._num_bytes)
 
 
 def digest_bytes(data: Bytes) -> int:

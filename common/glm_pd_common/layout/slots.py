@@ -58,3 +58,13 @@ def pack_runs(offsets: np.ndarray, lengths: np.ndarray, slot_bytes: int) -> Pack
         slot_offsets=piece_start - slot * slot_bytes,
         slot_starts=np.searchsorted(slot, np.arange(num_slots + 1), side="left").astype(np.int64),
     )
+
+
+def runs_between(offsets: np.ndarray, lengths: np.ndarray, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pieces of ``(offsets, lengths)`` holding bytes ``first`` to ``last`` (exclusive) of the runs'
+    concatenation, in order: a run straddling either end is cut there."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    keep = np.minimum(ends, last) > np.maximum(starts, first)  # a run with a byte in the range
+    head = np.maximum(first - starts[keep], 0)
+    return offsets[keep] + head, np.minimum(ends[keep], last) - starts[keep] - head

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from glm_pd_common.errors import ConfigError
-from glm_pd_common.layout.digest_words import BLOCK_BYTES, WordSum
+from glm_pd_common.layout.digest_words import BLOCK_BYTES, WordSum, finish
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.slots import pack_runs
 
@@ -36,6 +36,19 @@ class MemoryReader(Protocol):
     def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
         """The digest (``layout.digest_words``) of ``region``'s runs, concatenated in run order."""
         ...
+
+    def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
+        """The word sum ``h`` (``layout.digest_words``) of ``region``'s runs concatenated, as the bytes of a stream
+        from its byte ``first_byte`` on (a multiple of ``BLOCK_BYTES``): the sums of a stream's consecutive parts
+        add up (mod 2^64) to the whole's, which ``finish`` makes its digest. So a stream can be summed in parts
+        as its bytes land."""
+        ...
+
+
+def check_start(first_byte: int) -> None:
+    """A part of a stream summed on its own starts at a whole block (where a device reader's blocks start)."""
+    if first_byte < 0 or first_byte % BLOCK_BYTES:
+        raise ValueError(f"a stream is summed in parts from whole blocks of {BLOCK_BYTES} B, not from {first_byte}")
 
 
 def host_view(addr: int, length: int) -> memoryview:
@@ -60,11 +73,15 @@ class HostMemory:
             )
 
     def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
+        return finish(self.word_sum(region, offsets, lengths, 0), int(lengths.sum()))
+
+    def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
         self._check(region)
+        check_start(first_byte)
         slot: np.ndarray | None = getattr(self._mine, "slot", None)
         if slot is None:
             slot = self._mine.slot = np.empty(HOST_SLOT_BYTES, dtype=np.uint8)
-        total, filled = WordSum(), 0
+        total, filled = WordSum(first_byte), 0
         for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
             if filled and (n >= SHORT_RUN_BYTES or filled + n > slot.size):
                 total.update(slot[:filled])
@@ -75,7 +92,7 @@ class HostMemory:
                 ctypes.memmove(slot.ctypes.data + filled, region.base_addr + off, n)
                 filled += n
         total.update(slot[:filled])
-        return total.digest()
+        return total.h()
 
 
 HOST = HostMemory()
@@ -90,14 +107,15 @@ class StagedMemory(HostMemory):
         self._copy = copy
         self.staging_bytes = staging_bytes
 
-    def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
+    def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
         if region.mem_kind == "DRAM":
-            return super().digest(region, offsets, lengths)
-        total = WordSum()
+            return super().word_sum(region, offsets, lengths, first_byte)
+        check_start(first_byte)
+        total = WordSum(first_byte)
         packed = pack_runs(offsets, lengths, self.staging_bytes)
         for k in range(packed.num_slots):
             total.update(self._copy(region, packed.offsets[packed.slot(k)], packed.lengths[packed.slot(k)]))
-        return total.digest()
+        return total.h()
 
 
 class DeviceBytes:

@@ -22,7 +22,7 @@ import numpy as np
 from glm_pd_common.layout.digest_words import BLOCK_BYTES, BLOCK_WORDS, WORD_BYTES, block_keys, finish, fold
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.slots import pack_runs
-from glm_pd_common.transport.memory import HOST, DeviceBytes, MemoryReader, host_view
+from glm_pd_common.transport.memory import HOST, DeviceBytes, MemoryReader, check_start, host_view
 from glm_pd_common.transport.staging import row_bytes, row_index
 
 SCRATCH_BYTES = 128 * BLOCK_BYTES  # 16 MiB gathered at a time, plus 32 MiB of int64 products, per thread and device
@@ -50,6 +50,10 @@ class TorchMemory:
         self._mine = threading.local()  # .scratch: {device: _Scratch} of this thread
 
     def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
+        return finish(self.word_sum(region, offsets, lengths, 0), int(lengths.sum()))
+
+    def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
+        check_start(first_byte)
         torch = self._torch
         device = torch.device("cuda", region.device_id) if region.mem_kind == "VRAM" else torch.device("cpu")
         packed = pack_runs(offsets, lengths, self.scratch_bytes)
@@ -77,7 +81,7 @@ class TorchMemory:
                     sums.extend(self._block_sums(scratch, num_rows * row))
             # the slots are whole blocks but the last, so these are the stream's blocks in order; .cpu() waits
             block_sums = torch.cat(sums).cpu().numpy() if sums else np.zeros(0, np.int64)
-        return finish(fold(block_sums), int(lengths.sum()))
+        return fold(block_sums, first_byte // BLOCK_BYTES)
 
     def _block_sums(self, scratch: _Scratch, num_bytes: int) -> list[Any]:
         """The per-block sums (int64 tensors) of the first ``num_bytes`` of ``scratch.slot``."""

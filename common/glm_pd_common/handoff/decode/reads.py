@@ -4,13 +4,16 @@ A direct source is posted as two batches, the first layer's and the rest: each b
 completion to poll, and nothing on decode uses a layer before the whole load is in (79 per-layer batches reached
 78 % of one batch's rate, ``benchmarks/posting_bench.py``); the first batch stays apart, so a fault injected
 ``mid_transfer`` acts between two batches (staged: between two slots). A staged source is read slot by slot
-(``staged``).
+(``staged``); with digests on, each slot that landed is summed on a digest thread while the next ones move
+(``LandedDigests``), so decode's check after the read sums only the last slot (a direct read lands all at once:
+its digests follow it).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from glm_pd_common.handoff.decode.links import PrefillLink, PrefillLinks
@@ -21,6 +24,10 @@ from glm_pd_common.handoff.wire import protocol
 from glm_pd_common.handoff.wire.handshake import Endpoint
 from glm_pd_common.layout.plan import TransferPlan
 from glm_pd_common.transport.base import Transfer, Transport
+from glm_pd_common.transport.devices import ThreadSetup
+from glm_pd_common.transport.digests import LandedDigests
+
+DIGEST_THREADS = 2  # staged reads' landed slots summed at once, per decode rank
 
 
 class Batches(list[Transfer]):
@@ -45,10 +52,25 @@ class Batches(list[Transfer]):
 
 class Reads:
     """The reads of one decode rank's loads (on the lane that runs each load), through the endpoint the service
-    holds at the time (its transport and staging buffer)."""
+    holds at the time (its transport and staging buffer), and digest threads that sum a staged read's landed
+    slots while the next ones move."""
 
-    def __init__(self, links: PrefillLinks, timeout_s: float, fault: Callable[[LoadJob, FaultPoint], None]) -> None:
+    def __init__(
+        self,
+        links: PrefillLinks,
+        timeout_s: float,
+        fault: Callable[[LoadJob, FaultPoint], None],
+        name: str,
+        on_thread: ThreadSetup,
+    ) -> None:
         self._links, self.timeout_s, self._fault = links, timeout_s, fault
+        self._digesting = ThreadPoolExecutor(
+            DIGEST_THREADS, thread_name_prefix=f"glm-pd-landed-{name}", initializer=on_thread
+        )
+
+    def close(self) -> None:
+        """Drop the sums not begun; wait for one being taken (it reads pages the engine may free next)."""
+        self._digesting.shutdown(wait=True, cancel_futures=True)
 
     def pull(
         self,
@@ -57,15 +79,23 @@ class Reads:
         slots: list[int],
         result: LoadResult,
         job: LoadJob,
-    ) -> None:
-        """Post every direct source's runs, then wait; read the staged ones slot by slot."""
+        *,
+        verify: bool,
+    ) -> list[LandedDigests | None]:
+        """Post every direct source's runs, then wait; read the staged ones slot by slot. Returns, per source
+        read staged while ``verify``, its digests taken as slots landed (None: digested after the read)."""
         t0 = time.perf_counter()
         staged = 0
+        landing: list[LandedDigests | None] = [
+            LandedDigests(plan, local.memory) if slot_bytes and verify else None
+            for (_, plan), slot_bytes in zip(pieces, slots, strict=True)
+        ]
         with Batches(local.transport) as posted:
-            for (peer, plan), slot_bytes in zip(pieces, slots, strict=True):
+            for (peer, plan), slot_bytes, digests in zip(pieces, slots, landing, strict=True):
                 if slot_bytes:
                     faults = partial(self._slot_fault, job, not posted and not staged)
-                    staged += self.staged(local, peer, plan, job.lease_id, slot_bytes, result, faults)
+                    landed = None if digests is None else self._summing(digests)
+                    staged += self.staged(local, peer, plan, job.lease_id, slot_bytes, result, faults, landed=landed)
                     continue
                 layers = [entries for _, entries in plan.layers() if any(e.num_runs for e in entries)]
                 for entries in (layers[0] if layers else [], [e for rest in layers[1:] for e in rest]):
@@ -77,6 +107,7 @@ class Reads:
             posted.wait(self.timeout_s)
         result.seconds = time.perf_counter() - t0
         count(result, posted, pieces, staged)
+        return landing
 
     def staged(
         self,
@@ -90,6 +121,7 @@ class Reads:
         *,
         opening: protocol.StreamRead | None = None,
         keep: frozenset[str] = frozenset(),
+        landed: Callable[[int], object] | None = None,
     ) -> int:
         """Read one source's plan in slots (``read_staged``) and count its bytes; returns the slots moved."""
         assert local.staging is not None  # slot_bytes_for staged only with a buffer here
@@ -105,11 +137,16 @@ class Reads:
             between,
             opening=opening,
             keep=keep,
+            landed=landed,
         )
         result.staged_bytes += plan.num_bytes
         for kind, n in plan.bytes_by_kind().items():
             result.bytes_by_kind[kind] = result.bytes_by_kind.get(kind, 0) + n
         return slots
+
+    def _summing(self, digests: LandedDigests) -> Callable[[int], object]:
+        """What a staged read calls as its slots land: sum them on a digest thread, in the background."""
+        return lambda upto: self._digesting.submit(digests.landed, upto)
 
     def _slot_fault(self, job: LoadJob, first: bool, k: int) -> None:
         """A staged load's fault points: before its first slot and between its first two, as a direct one's."""

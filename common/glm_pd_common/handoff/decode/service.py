@@ -52,7 +52,7 @@ from glm_pd_common.layout.pages import block_pages, suffix_pages
 from glm_pd_common.layout.plan import TransferPlan, build_plan
 from glm_pd_common.layout.shards import token_shard
 from glm_pd_common.layout.tp import SideLayout, Source, release_set, sources
-from glm_pd_common.transport.digests import check_landed
+from glm_pd_common.transport.digests import LandedDigests, check_landed
 
 __all__ = ["LANES", "DecodeService", "LoadJob", "LoadResult", "RemotePrefill"]  # the jobs live in ``loads``
 
@@ -87,7 +87,7 @@ class DecodeService:
         self._links = PrefillLinks(local, timeout_s, self._progress)
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._renewals = Renewals(lanes, self._links, local.shape.tp_rank, self._layouts)
-        self._reads = Reads(self._links, timeout_s, self._fault)
+        self._reads = Reads(self._links, timeout_s, self._fault, local.engine_id, local.on_thread)
         self._lock = threading.Lock()
         self._cancelled = RecentIds()  # under ``_lock``: cancelled request ids, for loads that have not looked yet
         # a prefill engine (rank 0's address) keeps its lane; renewals go out before each wait for a load, so
@@ -144,6 +144,7 @@ class DecodeService:
     def close(self) -> None:
         self._withdraw_exit()
         self._lanes.close(self.timeout_s + 5)
+        self._reads.close()
         self._links.close()
 
     # -- the service thread -----------------------------------------------------------------------
@@ -185,13 +186,13 @@ class DecodeService:
                 claims = [self._claim(peer, plan, job, slot) for (peer, plan), slot in zip(pieces, slots, strict=True)]
                 mark("claim")
                 handoff.advance(HandoffState.TRANSFERRING)
-                self._reads.pull(self.local, pieces, slots, result, job)
+                landing = self._reads.pull(self.local, pieces, slots, result, job, verify=self.verify_digests)
                 moving = [plan for _, plan in pieces if plan.num_runs]
                 if self.faults is not None and moving:
                     self.faults.landed(job.request_id, *moved_byte(moving[-1]))
-                for (peer, plan), claim in zip(pieces, claims, strict=True):
+                for (peer, plan), claim, landed in zip(pieces, claims, landing, strict=True):
                     if claim.verify:
-                        self._verify(peer, plan, claim)
+                        self._verify(peer, plan, claim, landed)
                 self._fault(job, "before_release")
                 mark("pull")
             if job.stream_id and not job.read:  # nothing to read: prefill drops the transfer and its lease
@@ -410,8 +411,16 @@ class DecodeService:
             slot_bytes=slot_bytes,
         )
 
-    def _verify(self, peer: PrefillLink, plan: TransferPlan, claim: protocol.TransferRequest) -> None:
-        """Check what landed against prefill's digests of the claim's source pages (computed while decode read)."""
+    def _verify(
+        self,
+        peer: PrefillLink,
+        plan: TransferPlan,
+        claim: protocol.TransferRequest,
+        landed: LandedDigests | None = None,
+    ) -> None:
+        """Check what landed (digested as it landed, or now) against prefill's digests of the claim's source pages
+        (computed while decode read)."""
+        local = None if landed is None else landed.digests()
         request_id = claim.request_id
         digests = self._links.ask(peer, claim, request_id, (protocol.SourceDigests,), send=False).digests
 
@@ -419,7 +428,7 @@ class DecodeService:
             query = protocol.DigestQuery(v=PROTOCOL_VERSION, request_id=request_id, region_indices=regions)
             return self._links.ask(peer, query, request_id, (protocol.PageDigests,)).pages
 
-        check_landed(plan, digests, page_digests_of, self.local.memory)
+        check_landed(plan, digests, page_digests_of, self.local.memory, local=local)
 
     def _release(
         self, remote: RemotePrefill, group: tuple[int, ...], readers: tuple[int, ...], lease_id: str, request_id: str

@@ -48,10 +48,13 @@ def read_staged(
     *,
     opening: protocol.StreamRead | None = None,
     keep: frozenset[str] = frozenset(),
+    landed: Callable[[int], object] | None = None,
 ) -> int:
     """Read ``plan`` from ``peer`` in slots of ``slot_bytes``; returns the slots moved. ``between(k)`` runs before
     slot ``k`` is read (fault points). ``opening`` opens a streamed read first (``request_id`` is its transfer
-    id); what arrives meanwhile for a request in ``keep`` waits for its own reader (``PrefillLinks.ask``)."""
+    id); what arrives meanwhile for a request in ``keep`` waits for its own reader (``PrefillLinks.ask``).
+    ``landed(n)`` hears, once each slot but the last is scattered, that the plan's first ``n`` bytes are in our
+    pages (so their digests are taken while the next slots move; the last slot's come after the read)."""
     runs = staged_runs(plan, slot_bytes)
     theirs = peer.view.staging
     assert theirs is not None  # slot_bytes_for chose staging with this peer
@@ -98,6 +101,8 @@ def read_staged(
                 peer.client.send(protocol.ReadDone(v=PROTOCOL_VERSION, request_id=request_id))  # before the scatter
                 opening = None
             staging.mover.scatter(here, *runs.side(k, "dst"))
+            if landed is not None and k + 1 < runs.num_slots:
+                landed((k + 1) * slot_bytes)  # every slot but the last is full
     finally:
         staging.pairs.give(pair)
         if opening is not None:  # given up mid-way: prefill's pair goes back now, not when the transfer ends
