@@ -82,24 +82,31 @@ def main(argv: list[str] | None = None) -> int:
         return SKIP_RC
     from benchmarks.gpu.bench import Bench
     from benchmarks.gpu.decode import Decode
-    from benchmarks.gpu.report import build, print_report
+    from benchmarks.gpu.report import build, partial_report, print_report
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM still closes the child
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as workdir:
         decode = Decode(args, Path(workdir))
+        bench = Bench(decode)
         try:
-            bench = Bench(decode)
             bench.run()
             report = build(bench)
+        except BaseException as exc:  # a failure or a timeout's TERM: what was measured is still written
+            _write(partial_report(bench, f"{type(exc).__name__}: {exc}"), args.json)
+            raise
         finally:
             decode.close()
     print_report(report)
-    paths = [args.json] + ([Path(os.environ["OUT"]) / "gpu_bench.json"] if os.environ.get("OUT") else [])
+    _write(report, args.json)
+    return 0
+
+
+def _write(report: dict[str, object], path: Path) -> None:
+    paths = [path] + ([Path(os.environ["OUT"]) / "gpu_bench.json"] if os.environ.get("OUT") else [])
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
+        path.write_text(json.dumps(report, indent=2, default=str))
         print(f"JSON written to {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@
 wheels=${GLM_PD_WHEELS:-.whl}
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
-  # numpy and xxhash are in the GPU image already; NIXL, msgspec, pyzmq and pytest are not (versions as requirements/).
+  # numpy is in the GPU image (with torch); NIXL, msgspec, pyzmq, xxhash and pytest may not be (versions as
+  # requirements/). The wheels come to ~60 MiB: within a 64 MiB carry, with the tree.
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GLM_PD_GPU_PYTHON:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$wheels" nixl==1.5.1 nixl-cu13==1.5.1 msgspec==0.23.0 pyzmq==27.3.0
+    --platform manylinux2014_x86_64 -d "$wheels" nixl==1.5.1 nixl-cu13==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 \
+    xxhash==4.1.0
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GLM_PD_GPU_PYTHON:-3.12}" \
     -d "$wheels" pytest==9.2.0 pluggy iniconfig packaging pygments
   du -sh "$wheels"
@@ -18,10 +20,19 @@ fi
 
 site=${GLM_PD_SITE:-/tmp/glm-pd-site}
 mkdir -p "$site"
+py=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+if compgen -G "$wheels/msgspec-*.whl" >/dev/null && ! compgen -G "$wheels/msgspec-*-$py-*.whl" >/dev/null; then
+  echo "SKIPPED: the wheels in $wheels are not for this machine's Python ($py): fetch them with" \
+    "GLM_PD_GPU_PYTHON set to it (--fetch-wheels)"
+  exit 77
+fi
 if compgen -G "$wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl
 fi
 export PYTHONPATH="$site:$PWD:$PWD/common${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export UCX_PROTO_INFO=${UCX_PROTO_INFO:-y}  # UCX prints the protocol it picks per operation (cuda_ipc, or a fallback)
+# One node, one GPU: UCX's InfiniBand module stays unloaded (with the system's RDMA drivers installed, NIXL's bundled
+# UCX and the system's libnl crash the process at exit, FACTS.md section 6)
+export UCX_MODULES=${UCX_MODULES:-^ib}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>/dev/null || true

@@ -29,18 +29,27 @@ class Bench:
         self.d = d
         self.args = d.args
         self.rows: list[Row] = []
+        self.problems: list[str] = []  # warm-ups that failed (their rows run and fail or pass on their own)
 
     def warm_up(self) -> None:
         """One small pull (digests on, then off) handshakes the services and maps every region; one small staged
-        pull, push and raw op each way warm their paths. Nothing of this is measured."""
+        pull, push and raw op each way warm their paths. Nothing of this is measured; a warm-up that fails is
+        noted, and the rows still run (each says how it fared)."""
         d = self.d
         d.connect()
-        for digests in (True, False):
-            runners.pull(d, "contiguous", digests, pages=1)
-        runners.pull(d, "contiguous", False, staged=True, pages=1)
-        runners.push(d, "contiguous", PAGE_TOKENS)
-        runners.raw(d, "WRITE", 4096)
-        runners.raw(d, "READ", 4096)
+        steps: dict[str, Callable[[], object]] = {
+            "pull with digests": partial(runners.pull, d, "contiguous", True, pages=1),
+            "pull": partial(runners.pull, d, "contiguous", False, pages=1),
+            "staged pull": partial(runners.pull, d, "contiguous", False, staged=True, pages=1),
+            "push": partial(runners.push, d, "contiguous", PAGE_TOKENS),
+            "raw WRITE": partial(runners.raw, d, "WRITE", 4096),
+            "raw READ": partial(runners.raw, d, "READ", 4096),
+        }
+        for name, step in steps.items():
+            try:
+                step()
+            except Exception as exc:  # reported in the notes, as a bench reports
+                self.problems.append(f"warm-up {name} failed: {type(exc).__name__}: {exc}"[:400])
 
     def measure(self, row: Row, run: Callable[[], Sample]) -> None:
         """``run`` up to ``--repeats`` times while the row's budget lasts (once at least), unless the run's

@@ -22,7 +22,18 @@ def notes(bench: Bench) -> list[str]:
         f"{staging.span.size_bytes >> 20} MiB buffer ({staging.pairs.count} pairs each); batch = slots read",
         "push rows post the plan directly; SGLang's staged push runs in its manager (tests/sglang), not here",
         "pull/staged seconds: the read; load_s adds the claim's round trip and, with digests, both sides' digests",
+        *bench.problems,
     ]
+
+
+def partial_report(bench: Bench, failure: str) -> dict[str, Any]:
+    """What a run that stopped early (``failure``: why) measured: the whole report where it can still be built,
+    else the rows."""
+    try:
+        report = build(bench)
+    except Exception as exc:  # the child or a service is gone: the rows alone
+        report = {"rows": [dataclasses.asdict(r) for r in bench.rows], "report_error": f"{type(exc).__name__}: {exc}"}
+    return {**report, "incomplete": failure}
 
 
 def build(bench: Bench) -> dict[str, Any]:

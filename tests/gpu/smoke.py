@@ -21,9 +21,11 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -305,9 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"SKIPPED: {reason}")
         return SKIP_RC
-    report = run(args.pages)
-    print_table(report)
     path = args.json or (Path(os.environ["OUT"]) / "gpu_smoke.json" if os.environ.get("OUT") else None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM: the report says so, children close
+    try:
+        report = run(args.pages)
+    except BaseException as exc:  # a failure or a timeout's TERM: why, written where the report would be
+        if path is not None:
+            path.write_text(json.dumps({"ok": False, "error": traceback.format_exc()}, indent=2))
+        if isinstance(exc, Exception):
+            traceback.print_exc()
+            return 1
+        raise
+    print_table(report)
     if path is not None:
         path.write_text(json.dumps(report, indent=2))
         print(f"report: {path}")

@@ -16,10 +16,14 @@ class CudaDevice:
     """GPU ``index`` in this process: allocations and host <-> device copies (each waits for its copy)."""
 
     def __init__(self, index: int) -> None:
-        path = ctypes.util.find_library("cuda")
-        if path is None:
-            raise ConfigError("no CUDA driver (libcuda) on this machine: there is no GPU memory to use")
-        self._cuda = ctypes.CDLL(path)
+        # ldconfig's cache may not list the driver in a container that mounts it: then its soname is tried
+        path = ctypes.util.find_library("cuda") or "libcuda.so.1"
+        try:
+            self._cuda = ctypes.CDLL(path)
+        except OSError as exc:
+            raise ConfigError(
+                f"no CUDA driver (libcuda) on this machine: there is no GPU memory to use ({exc})"
+            ) from exc
         self.index = index
         self._call("cuInit", 0)
         count = ctypes.c_int()
