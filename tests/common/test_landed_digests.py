@@ -21,6 +21,7 @@ from glm_pd_common.tools.flat import flat_span
 from glm_pd_common.tools.hostmem import HostCaches
 from glm_pd_common.transport.digests import LandedDigests, plan_digests
 from glm_pd_common.transport.memory import HOST, HostMemory, StagedMemory
+from glm_pd_common.transport.staging import Mover
 from tests.common.test_memory import HostCopier, as_vram
 from tests.support.services import NUM_PAGES, PAGE_TOKENS, SEED, Decode, Prefill
 
@@ -123,21 +124,53 @@ def test_bytes_are_summed_once_they_land_and_the_rest_when_asked(plan_bytes) -> 
         decode.flip(entry.dst, int(offset[0]))
     got = landed.digests()
     assert got[index] != before[index]  # the late byte's change is seen ...
+    decode.flip(entry.dst, int(early[0]))
+    assert got[index] == plan_digests(plan, "dst")[index]  # ... the early one's, made after it was read, is not
+    decode.flip(entry.dst, int(early[0]))
     decode.flip(entry.dst, int(late[0]))
     assert LandedDigests(plan, HOST).digests()[index] != before[index]  # ... and the early one's, read now
     assert [g for i, g in enumerate(got) if i != index] == [b for i, b in enumerate(before) if i != index]
 
 
 class ThreadNoting(HostMemory):
-    """The host reader, noting the thread each part was summed on."""
+    """The host reader, noting the thread each part was summed on; ``summed_aside`` is set once a part was summed
+    on a digest thread."""
 
     def __init__(self) -> None:
         super().__init__()
         self.threads: list[str] = []
+        self.summed_aside = threading.Event()
 
     def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
-        self.threads.append(threading.current_thread().name)
-        return super().word_sum(region, offsets, lengths, first_byte)
+        name = threading.current_thread().name
+        self.threads.append(name)
+        try:
+            return super().word_sum(region, offsets, lengths, first_byte)
+        finally:
+            if name.startswith("glm-pd-landed-"):
+                self.summed_aside.set()
+
+
+class GatedMover:
+    """Prefill's mover (a test double around the real one): the gather of slot 2, which decode's read of slot 2
+    waits for, waits (bounded) until decode summed a landed slot on a digest thread, so the premise (a sum taken
+    while slots still move, not only after the read) holds however loaded the machine is. Slots are gathered in
+    the order decode asks for them, so the third gather begun is slot 2's."""
+
+    def __init__(self, mover: Mover, gate: threading.Event) -> None:
+        self.mover, self.gate = mover, gate
+        self.begun = 0
+        self._lock = threading.Lock()
+
+    def gather(self, addrs: np.ndarray, lengths: np.ndarray, into: int) -> None:
+        with self._lock:
+            k, self.begun = self.begun, self.begun + 1
+        if k >= 2:
+            self.gate.wait(30.0)
+        self.mover.gather(addrs, lengths, into)
+
+    def scatter(self, source: int, addrs: np.ndarray, lengths: np.ndarray) -> None:
+        self.mover.scatter(source, addrs, lengths)
 
 
 @pytest.mark.parametrize("fault", ["", "corrupt"])
@@ -145,6 +178,9 @@ def test_a_staged_verified_load_sums_landed_slots_on_digest_threads(small_spec, 
     memory = ThreadNoting()
     prefill = Prefill(small_spec, slot_bytes=2 * BLOCK_BYTES)
     decode = Decode(small_spec, slot_bytes=2 * BLOCK_BYTES, memory=memory)
+    staging = prefill.local.staging
+    assert staging is not None
+    staging.mover = GatedMover(staging.mover, memory.summed_aside)
     try:
         num_tokens = NUM_PAGES * PAGE_TOKENS - 3
         result = decode.load(prefill, "r", num_tokens, fault=fault)

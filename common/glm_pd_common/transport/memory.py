@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol
 
@@ -45,6 +46,16 @@ class MemoryReader(Protocol):
         ...
 
 
+class SummingReader(ABC):
+    """A reader's digest, from its ``word_sum`` over the whole stream (one home for the step every reader shares)."""
+
+    @abstractmethod
+    def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int: ...
+
+    def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
+        return finish(self.word_sum(region, offsets, lengths, 0), int(lengths.sum()))
+
+
 def check_start(first_byte: int) -> None:
     """A part of a stream summed on its own starts at a whole block (where a device reader's blocks start)."""
     if first_byte < 0 or first_byte % BLOCK_BYTES:
@@ -56,7 +67,7 @@ def host_view(addr: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
 
 
-class HostMemory:
+class HostMemory(SummingReader):
     """DRAM only: anything else is refused, naming the region and its memory. Long runs are summed in place;
     short ones are first packed into a slot of the calling thread's own, so ~10^5 short runs cost ~10^5 copies
     and a few sums, not ~10^5 sums."""
@@ -71,9 +82,6 @@ class HostMemory:
                 "through a host pointer, and this rank has no device reader (the adapter passes one when it runs "
                 "with torch on CUDA)"
             )
-
-    def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
-        return finish(self.word_sum(region, offsets, lengths, 0), int(lengths.sum()))
 
     def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
         self._check(region)

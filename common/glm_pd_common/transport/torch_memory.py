@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from glm_pd_common.layout.digest_words import BLOCK_BYTES, BLOCK_WORDS, WORD_BYTES, block_keys, finish, fold
+from glm_pd_common.layout.digest_words import BLOCK_BYTES, BLOCK_WORDS, WORD_BYTES, block_keys, fold
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.slots import pack_runs
-from glm_pd_common.transport.memory import HOST, DeviceBytes, MemoryReader, check_start, host_view
+from glm_pd_common.transport.memory import HOST, DeviceBytes, MemoryReader, SummingReader, check_start, host_view
 from glm_pd_common.transport.staging import row_bytes, row_index
 
 SCRATCH_BYTES = 128 * BLOCK_BYTES  # 16 MiB gathered at a time, plus 32 MiB of int64 products, per thread and device
@@ -37,7 +37,7 @@ class _Scratch:
     keys: Any  # int64, ``block_keys()``
 
 
-class TorchMemory:
+class TorchMemory(SummingReader):
     """``MemoryReader`` with the engine's ``torch``: each region digested on its own device (CUDA for VRAM, the
     CPU for DRAM), in slots of ``scratch_bytes`` (a multiple of ``BLOCK_BYTES``); the device's stream is waited
     for before a digest is returned."""
@@ -48,9 +48,6 @@ class TorchMemory:
         self._torch = torch
         self.scratch_bytes = scratch_bytes
         self._mine = threading.local()  # .scratch: {device: _Scratch} of this thread
-
-    def digest(self, region: Region, offsets: np.ndarray, lengths: np.ndarray) -> int:
-        return finish(self.word_sum(region, offsets, lengths, 0), int(lengths.sum()))
 
     def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
         check_start(first_byte)
