@@ -44,7 +44,7 @@ from tests.support.vllm_faults import (
     all_streaming,
     frozen_mid_load,
     proxy,
-    stream_legs,
+    streamed_on_frozen_prefill,
     wait_for,
 )
 from tests.support.vllm_servers import NO_AMX, Server, disaggregated, prefill_leg, request
@@ -219,16 +219,6 @@ def test_queue_wait_past_the_lease_is_kept_alive(engines: dict, pair: FaultPair)
     still_serves(engines, pair, offset)
 
 
-def streaming(pair: FaultPair, stream: Stream, answer: dict, offset: int) -> None:
-    """Decode admitted the streamed request and its load runs (it subscribed to prefill). Where it never shows, the
-    failure says how both legs stand and what decode's connector logged since ``offset``."""
-    try:
-        wait_for(pair.decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 30, "its streamed load runs")
-    except AssertionError as exc:
-        legs = f"decode's leg: {len(stream.tokens)} tokens, finish {stream.finish_reason}, error {stream.error}"
-        raise AssertionError(f"{exc}\n{legs}; prefill's leg: {answer}\n{pair.decode.connector_lines(offset)}") from None
-
-
 def prefill_idle(prefill: Server, within_s: float) -> dict:
     """Prefill holds no request and no block (a leased request's blocks count until its lease ends)."""
     return wait_for(
@@ -240,22 +230,17 @@ def prefill_idle(prefill: Server, within_s: float) -> dict:
 
 
 def test_client_gone_while_its_stream_waits_on_prefill(engines: dict, pair: FaultPair) -> None:
-    """Streamed: decode admitted the request and subscribed, and prefill is frozen mid-prefill when decode's client
-    goes. Decode cancels the load (vLLM keeps its blocks until the load ends) and tells prefill; prefill, thawed,
-    drops the transfer and frees the request's blocks as soon as it finishes (aborted, not at lease expiry)."""
+    """Streamed: decode admitted the request and its load waits on a frozen prefill when decode's client goes.
+    Decode cancels the load (vLLM keeps its blocks until the load ends) and tells prefill; prefill, thawed, drops
+    the transfer and frees the request's blocks as soon as it finishes (aborted, not at lease expiry)."""
     prefill, decode = pair.prefill, pair.decode
-    offset, prefill_offset = decode.log_size(), prefill.log_size()
-    stream, leg, answer = stream_legs(pair, engines["model"], STREAMED["client_gone"])
-    streaming(pair, stream, answer, offset)
-    prefill.signal(signal.SIGSTOP)
-    try:
+    prefill_offset = prefill.log_size()
+    streamed = streamed_on_frozen_prefill(pair, engines["model"], STREAMED["client_gone"], SINGLE[FRESH])
+    with streamed as (stream, answer, offset):
         stream.close()
         # the load is cancelled while prefill is still frozen: decode frees the blocks without its answer
         wait_for(decode.scheduler_state, lambda s: s["waiting"] + s["running"] + s["kv_cache_usage"] == 0, 20,
                  "decode let the request and its blocks go")  # fmt: skip
-    finally:
-        prefill.signal(signal.SIGCONT)
-    leg.join(60)
     assert answer.get("choices"), answer  # prefill's own leg is unharmed
     assert decode.transfer_metrics(offset, loads=1).get("loads_failed") == 1
     prefill_idle(prefill, 10)
@@ -268,33 +253,26 @@ def test_prefill_killed_while_streaming(engines: dict, pair: FaultPair) -> None:
     """Streamed: the fault prefill is killed while decode's load waits for its chunks: decode fails the request
     within its timeout, frees its blocks, and serves the next one (from the session prefill)."""
     prefill, decode = pair.prefill, pair.decode
-    offset = decode.log_size()
-    stream, leg, answer = stream_legs(pair, engines["model"], STREAMED["prefill_killed"])
-    streaming(pair, stream, answer, offset)
-    prefill.signal(signal.SIGKILL)
-    prefill.proc.wait(30)
+    streamed = streamed_on_frozen_prefill(pair, engines["model"], STREAMED["prefill_killed"], SINGLE[FRESH])
+    with streamed as (stream, _, offset):
+        prefill.signal(signal.SIGKILL)
+        prefill.proc.wait(30)
     stream.result(TIMEOUT_S + 30)
-    leg.join(30)
     assert stream.tokens == [] and (stream.error or stream.finish_reason not in ("length", "stop")), stream.error
     assert decode.transfer_metrics(offset, loads=1).get("loads_failed") == 1
     still_serves(engines, pair, offset, engines["prefill"])
 
 
 def test_decode_killed_while_streaming(engines: dict, pair: FaultPair) -> None:
-    """Streamed: decode is killed while prefill is frozen mid-prefill. Thawed, prefill finishes the request (its
-    leg answers), holds the blocks for a lease nobody claims, frees them when it expires, and serves a fresh
-    request through the session decode with the reference tokens."""
+    """Streamed: decode is killed while its load waits on a frozen prefill. Thawed, prefill computes the request
+    for a subscriber that is gone, finishes it (its leg answers), holds the blocks for a lease nobody claims, frees
+    them when it expires, and serves a fresh request through the session decode with the reference tokens."""
     prefill, decode = pair.prefill, pair.decode
-    offset, prefill_offset = decode.log_size(), prefill.log_size()
-    stream, leg, answer = stream_legs(pair, engines["model"], STREAMED["decode_killed"])
-    streaming(pair, stream, answer, offset)
-    prefill.signal(signal.SIGSTOP)
-    try:
+    prefill_offset = prefill.log_size()
+    streamed = streamed_on_frozen_prefill(pair, engines["model"], STREAMED["decode_killed"], SINGLE[FRESH])
+    with streamed as (stream, answer, _):
         decode.signal(signal.SIGKILL)
         decode.proc.wait(30)
-    finally:
-        prefill.signal(signal.SIGCONT)
-    leg.join(60)
     assert answer.get("choices"), answer
     prefill_idle(prefill, LEASE_S + 20)
     assert "expired" in prefill.connector_lines(prefill_offset)

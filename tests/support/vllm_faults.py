@@ -52,8 +52,7 @@ HOLDERS, HOLDER_TOKENS = [ids(1100, 2010), ids(1100, 2011)], 900
 LATE = ids(1950, 2004)  # waits for blocks longer than LEASE_S
 LOADED = ids(300, 2012)  # loads while its client goes away
 KILLED = ids(300, 2013)  # loads while its prefill is killed
-# Streamed while prefill computes them, one per case: a prompt prefill has cached (it caches prefixes on a CPU with
-# AMX) would be computed in one step, before decode's load could be seen waiting on it.
+# Streamed on a frozen prefill, one per case: none is in prefill's prefix cache when its case thaws prefill.
 STREAMED = {case: ids(1950, 2020 + i) for i, case in enumerate(("client_gone", "prefill_killed", "decode_killed"))}
 
 # (name, prompt, max_tokens) the reference pair runs after tests/support/scenarios.RUNS, greedy with ignore_eos, in
@@ -189,6 +188,39 @@ def stream_legs(pair: FaultPair, model: str, prompt: list[int]) -> tuple[Stream,
     leg = threading.Thread(target=prefill_leg, daemon=True)
     leg.start()
     return Stream(pair.decode.url, {**body, "kv_transfer_params": params}), leg, answer
+
+
+@contextmanager
+def streamed_on_frozen_prefill(
+    pair: FaultPair, model: str, prompt: list[int], fresh: list[int]
+) -> Iterator[tuple[Stream, dict, int]]:
+    """A streamed request whose load waits on the fault prefill, frozen (SIGSTOP) before either leg was sent: both
+    legs and decode's subscription wait in prefill's sockets, so the load cannot end while the caller acts (a race
+    with prefill's compute, where prefill runs, is lost on a fast machine). A streamed request on ``fresh`` goes
+    first, so decode knows that prefill by its address and holds a link to it. Yields decode's stream, prefill's
+    answer (a dict its leg fills once prefill, thawed on exit unless the caller killed it, answers) and decode's
+    log offset; on exit the leg is joined. Decode's load waits ``TIMEOUT_S`` on a silent prefill: it is seen
+    waiting well within that."""
+    first, first_leg, _ = stream_legs(pair, model, fresh)
+    first.result(120)
+    first_leg.join(120)
+    assert first.finish_reason == "length", f"the first streamed request failed: {first.error}"
+    offset = pair.decode.log_size()
+    pair.prefill.signal(signal.SIGSTOP)
+    leg: threading.Thread | None = None
+    try:
+        stream, leg, answer = stream_legs(pair, model, prompt)
+        try:
+            wait_for(pair.decode.scheduler_state, lambda s: s.get("waiting_deferred") == 1, 10, "its load runs")
+        except AssertionError as exc:
+            states = f"decode's leg: {len(stream.tokens)} tokens, finish {stream.finish_reason}, error {stream.error}"
+            raise AssertionError(f"{exc}\n{states}\n{pair.decode.connector_lines(offset)}") from None
+        yield stream, answer, offset
+    finally:
+        if pair.prefill.proc.poll() is None:
+            pair.prefill.signal(signal.SIGCONT)
+        if leg is not None:
+            leg.join(120)
 
 
 @contextmanager
