@@ -128,13 +128,15 @@ class Stream:
             if not self.closed:
                 self.error = repr(exc)
         finally:
+            self._conn.close()
             self.done.set()
 
     def close(self) -> None:
+        """Shut the socket down (the server sees the client go); the reading thread, woken, closes the rest (a
+        connection closed under a read in progress raises inside http.client)."""
         self.closed = True
         if self._conn.sock is not None:
             self._conn.sock.shutdown(socket.SHUT_RDWR)
-        self._conn.close()
 
     def result(self, timeout_s: float) -> Stream:
         assert self.done.wait(timeout_s), f"stream still open after {timeout_s:g} s ({len(self.tokens)} tokens)"
