@@ -39,7 +39,7 @@ def kernel() -> ModuleType:
 
 
 def whole_word_runs(data: st.DataObject, max_words: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random runs of whole words in ``MEMORY``: within a tile, across tiles, across blocks, empty."""
+    """Random runs of whole words in ``MEMORY``: within a tile, across tiles and pieces, across blocks, empty."""
     words = st.one_of(st.integers(0, 40), st.integers(0, max_words))
     lengths = np.array(data.draw(st.lists(words, max_size=8)), dtype=np.int64) * 4
     offsets = np.array([data.draw(st.integers(0, (MEMORY.size - int(n)) // 4)) * 4 for n in lengths], dtype=np.int64)
@@ -49,7 +49,7 @@ def whole_word_runs(data: st.DataObject, max_words: int) -> tuple[np.ndarray, np
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_kernel_word_sums_equal_numpy(kernel: ModuleType, data: st.DataObject) -> None:
-    offsets, lengths = whole_word_runs(data, 3 * kernel.TILE_WORDS)
+    offsets, lengths = whole_word_runs(data, 2 * kernel.PIECE_WORDS + kernel.TILE_WORDS + 3)  # cut into pieces
     first_block = data.draw(st.integers(0, 3))
     words = torch.from_numpy(MEMORY).view(torch.int32)
     keys = torch.from_numpy(block_keys().view(np.int64).copy())
