@@ -2,7 +2,7 @@
 
 torch has no fused integer multiply-and-sum, so ``TorchMemory``'s ops gather a slot, write its words' products and
 read them back: about seven bytes of memory traffic per byte digested. This kernel reads each word where it lies
-(each program a piece of one run, up to 64 KiB, a tile at a time), multiplies it by its key
+(each program a piece of one run, at most 64 KiB, a tile at a time), multiplies it by its key
 ``K(i) = A[i mod B] · C(i div B)`` (``layout.digest_words``; the small tables stay in cache) and sums the piece;
 the pieces' sums are added on the device (int64 wraps mod 2^64, as the definition needs) and
 one number comes to the host. So the bytes are read once and nothing the size of the bytes is written.
@@ -21,9 +21,10 @@ import triton.language as tl
 from triton import knobs
 
 from glm_pd_common.layout.digest_words import BLOCK_WORDS, MASK, WORD_BYTES, block_scales
+from glm_pd_common.layout.slots import pack_runs
 
 TILE_WORDS = 1024  # words a program loads at once (4 KiB)
-PIECE_WORDS = 16 * TILE_WORDS  # at most this many words per program (64 KiB): runs longer are cut
+PIECE_WORDS = 16 * TILE_WORDS  # at most this many words per program (64 KiB of the stream)
 PIECES_PER_LAUNCH = 1 << 20  # bounds the pieces' sums held at once (8 MiB of int64)
 KEY_BITS = BLOCK_WORDS.bit_length() - 1
 INTERPRETED = knobs.runtime.interpret  # kernels then run on the host, over CPU tensors
@@ -65,23 +66,16 @@ def runs_word_sum(torch: Any, words: Any, offsets: np.ndarray, lengths: np.ndarr
     """``h`` of the stream made of the runs (``offsets``, ``lengths``: bytes, whole words) of ``words`` (int32, on
     its device), a stream whose first word is the first of block ``first_block``; ``keys`` is ``block_keys()`` as
     int64 on that device. Waits for the device."""
-    run_words = np.asarray(lengths, dtype=np.int64) // WORD_BYTES
-    num_words = int(run_words.sum())
+    offsets, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    num_words = int(lengths.sum()) // WORD_BYTES
     if not num_words:
         return 0
     device = words.device
-    # each run cut into pieces of at most PIECE_WORDS (an empty run has none)
-    cuts = -(-run_words // PIECE_WORDS)
-    run_of = np.repeat(np.arange(run_words.size), cuts)
-    within = (np.arange(run_of.size) - np.repeat(np.cumsum(cuts) - cuts, cuts)) * PIECE_WORDS
-    table = np.stack(
-        [
-            np.asarray(offsets, dtype=np.int64)[run_of] // WORD_BYTES + within,
-            (np.cumsum(run_words) - run_words)[run_of] + within,
-            np.minimum(run_words[run_of] - within, PIECE_WORDS),
-        ]
-    )
-    num_pieces = run_of.size
+    # the runs cut where the stream crosses a multiple of PIECE_WORDS (an empty run has no piece)
+    packed = pack_runs(offsets, lengths, PIECE_WORDS * WORD_BYTES)
+    places = (np.cumsum(lengths) - lengths)[packed.run] + packed.offsets - offsets[packed.run]
+    table = np.stack([packed.offsets, places, packed.lengths]) // WORD_BYTES
+    num_pieces = packed.run.size
     table_t = torch.from_numpy(table).to(device)  # one upload
     scales = torch.from_numpy(block_scales(first_block, -(-num_words // BLOCK_WORDS)).view(np.int64)).to(device)
     total = torch.zeros((), dtype=torch.int64, device=device)
