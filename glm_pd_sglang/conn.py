@@ -263,7 +263,7 @@ class GlmPdKVManager(PrefillAdmission, PrefillTransfers, StagedPush, StagedLandi
             self._lent.clear()
             self._resting.clear()
         shape = PeerShape(self.caches.page_tokens, self.ranks.num_ranks, rank, sharding=sharding)
-        memory = reader_for((r.mem_kind for r in self.caches.regions), torch)
+        memory = reader_for(self.caches.regions, torch)
         on_device = thread_device(self.caches.regions, torch)
         self.endpoint = Endpoint(
             name, self.caches.spec, self.caches.regions, transport, shape, memory, on_device, self.trust, staging

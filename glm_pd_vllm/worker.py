@@ -134,7 +134,7 @@ class GlmPdWorker:
             regions,
             self.transport,
             shape,
-            reader_for((r.mem_kind for r in regions), torch),
+            reader_for(regions, torch),
             thread_device(regions, torch),
             Trust.from_settings(self.config.credential, self.config.insecure),
             staging,

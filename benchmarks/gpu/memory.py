@@ -154,7 +154,7 @@ class CudaKind(HostKind):
         from glm_pd_common.transport.torch_memory import reader_for
 
         return {
-            "memory": reader_for([r.mem_kind for r in regions], self.torch),
+            "memory": reader_for(regions, self.torch),
             "on_thread": thread_device(regions, self.torch),
         }
 

@@ -43,14 +43,16 @@ def test_device_digest_of_vram_equals_the_bytes_digest() -> None:
     from glm_pd_common.layout.spec import CacheSpec
     from glm_pd_common.tools.hostmem import HostCaches
     from glm_pd_common.transport.digests import region_pages_digest
-    from glm_pd_common.transport.torch_memory import TorchMemory, reader_for
+    from glm_pd_common.transport.torch_memory import TorchMemory, digest_kernel, reader_for
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     spec = CacheSpec.create(ModelGeometry.preset("glm-5.3"))
     pages = 8
     template = HostCaches(spec, page_tokens=64, num_pages=pages).regions[-2:]  # the MTP layer's main and indexer
     regions, tensors = _vram_regions(device, pages, template)
-    assert isinstance(reader_for([r.mem_kind for r in regions], torch), TorchMemory)
+    adapters = reader_for(regions, torch)  # checks the kernel on this GPU, where Triton is installed
+    assert isinstance(adapters, TorchMemory)
+    assert (adapters.kernel is None) == (digest_kernel() is None), "the kernel's start-up check failed on this GPU"
     reader = TorchMemory(torch, scratch_bytes=BLOCK_BYTES)
     chosen = np.array([7, 3, 4, 5, 0])
     for region, tensor in zip(regions, tensors, strict=True):

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glm_pd_common.layout.digest_words import BLOCK_BYTES, BLOCK_WORDS, block_keys, words_sum
+from glm_pd_common.layout.digest_words import BLOCK_BYTES, BLOCK_WORDS, MASK, block_keys, words_sum
 from glm_pd_common.tools.flat import flat_span
 from glm_pd_common.transport.memory import HOST
 from glm_pd_common.transport.torch_memory import TorchMemory
@@ -59,10 +59,11 @@ def test_kernel_word_sums_equal_numpy(kernel: ModuleType, data: st.DataObject) -
 
 
 class Counted:
-    """A test double around the kernel module: counts its calls, or fails each one when told to."""
+    """A test double around the kernel module: counts its calls, or fails each one when told to, or (``skew``)
+    returns sums off by that much, as a kernel miscompiled for some GPU would."""
 
-    def __init__(self, module: ModuleType, *, fail: bool = False) -> None:
-        self.module, self.fail, self.calls = module, fail, 0
+    def __init__(self, module: ModuleType, *, fail: bool = False, skew: int = 0) -> None:
+        self.module, self.fail, self.skew, self.calls = module, fail, skew, 0
 
     def supports(self, device: Any) -> bool:
         return self.module.supports(device)
@@ -71,7 +72,7 @@ class Counted:
         self.calls += 1
         if self.fail:
             raise RuntimeError("no compiler here")
-        return self.module.runs_word_sum(*args)
+        return (self.module.runs_word_sum(*args) + self.skew) & MASK
 
 
 @settings(max_examples=15, deadline=None)
@@ -103,3 +104,23 @@ def test_a_kernel_that_fails_is_named_once_and_the_ops_digest(kernel: ModuleType
             assert reader.digest(region, offsets, lengths) == HOST.digest(region, offsets, lengths)
     assert failing.calls == 1 and reader.kernel is None
     assert [r.getMessage() for r in caplog.records if "digest kernel failed" in r.getMessage()] != []
+
+
+def test_the_start_up_check_keeps_a_right_kernel_and_leaves_a_wrong_or_failing_one(kernel: ModuleType, caplog) -> None:
+    """``check_kernel`` (what ``reader_for`` runs on each GPU of a rank at start-up) against the numpy definition:
+    a kernel that disagrees by a single unit, or raises, is named with the device and never digests a request."""
+    cpu = torch.device("cpu")
+    right = TorchMemory(torch, kernel=Counted(kernel))
+    right.check_kernel(cpu)
+    assert right.kernel is not None and right.kernel.calls == 1
+    region = flat_span(MEMORY.ctypes.data, MEMORY.size)
+    offsets, lengths = np.array([0, 4 * BLOCK_BYTES]), np.array([BLOCK_BYTES, 8])
+    for double in (Counted(kernel, skew=1), Counted(kernel, fail=True)):
+        reader = TorchMemory(torch, scratch_bytes=BLOCK_BYTES, kernel=double)
+        with caplog.at_level(logging.WARNING):
+            reader.check_kernel(cpu)
+        assert reader.kernel is None and double.calls == 1
+        assert any("digest kernel" in r.getMessage() and "cpu" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        assert reader.digest(region, offsets, lengths) == HOST.digest(region, offsets, lengths)
+        assert double.calls == 1

@@ -116,7 +116,8 @@ def test_two_threads_digesting_at_once_through_one_reader_get_their_own_bytes() 
 
 
 def test_the_adapters_reader_is_the_host_one_on_dram_and_torch_on_vram() -> None:
-    assert reader_for(["DRAM", "DRAM"], torch) is HOST
-    assert isinstance(reader_for(["DRAM", "VRAM"], torch), TorchMemory)
+    host = flat_span(MEMORY.ctypes.data, MEMORY.size)
+    assert reader_for([host, host], torch) is HOST
+    assert isinstance(reader_for([host, flat_span(1 << 40, 4096, "VRAM", 0)], torch), TorchMemory)
     with pytest.raises(ValueError, match="multiple of"):
         TorchMemory(torch, scratch_bytes=BLOCK_BYTES + 4)

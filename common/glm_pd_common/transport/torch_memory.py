@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_pd_common.layout.digest_words import BLOCK_BYTES, BLOCK_WORDS, WORD_BYTES, block_keys, fold
+from glm_pd_common.layout.digest_words import BLOCK_BYTES, BLOCK_WORDS, WORD_BYTES, block_keys, fold, words_sum
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.layout.slots import pack_runs
 from glm_pd_common.transport.memory import HOST, DeviceBytes, MemoryReader, SummingReader, check_start, host_view
@@ -30,6 +30,9 @@ from glm_pd_common.transport.staging import row_bytes, row_index
 logger = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 128 * BLOCK_BYTES  # 16 MiB gathered at a time, plus 32 MiB of int64 products, per thread and device
+# the kernel's check at start-up: runs of whole words over three blocks, cut into pieces and tiles, mid-tile ends
+PROBE = np.random.default_rng(28).integers(0, 256, 3 * BLOCK_BYTES, dtype=np.uint8)
+PROBE_RUNS = (np.array([BLOCK_BYTES + 4, 0, 2 * BLOCK_BYTES + 64]), np.array([BLOCK_BYTES + 4092, 4100, 8]))
 
 
 @dataclass
@@ -53,6 +56,34 @@ class TorchMemory(SummingReader):
         self.scratch_bytes = scratch_bytes
         self.kernel = kernel
         self._mine = threading.local()  # .scratch: {device: _Scratch}, .keys: {device: tensor} of this thread
+
+    def check_kernel(self, device: Any) -> None:
+        """Builds the kernel for ``device`` now (at start-up, not in a request's digest) and checks its word sum
+        against the numpy definition over a probe: a kernel that fails or disagrees there (a compiler missing or
+        wrong on this GPU) is named and left, so it never fails a healthy request's verification."""
+        kernel, torch = self.kernel, self._torch
+        if kernel is None or not kernel.supports(device):
+            return
+        offsets, lengths = PROBE_RUNS
+        stream = np.concatenate([PROBE[o : o + n] for o, n in zip(offsets, lengths, strict=True)])
+        want = words_sum(stream.view("<i4"), BLOCK_WORDS)
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                words = torch.from_numpy(PROBE).to(device).view(torch.int32)
+                got = kernel.runs_word_sum(torch, words, offsets, lengths, 1, self._keys(device))
+        except Exception as exc:  # e.g. no compiler for Triton here: the ops give the same sums
+            logger.warning("glm-pd: the digest kernel failed on %s (%r); digesting with torch ops", device, exc)
+            self.kernel = None
+            return
+        if got != want:
+            logger.warning(
+                "glm-pd: the digest kernel's word sum on %s is %#x where the definition gives %#x; digesting with "
+                "torch ops",
+                device,
+                got,
+                want,
+            )
+            self.kernel = None
 
     def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
         check_start(first_byte)
@@ -156,10 +187,14 @@ def digest_kernel() -> Any:
     return kernel
 
 
-def reader_for(mem_kinds: Iterable[str], torch: Any) -> MemoryReader:
-    """What an adapter gives its endpoint: host reads when every region is DRAM, else digests on the device
-    through the engine's ``torch`` (called only when ``torch`` has CUDA: a CPU engine's regions are DRAM), by the
-    kernel where Triton is installed."""
-    if all(kind == "DRAM" for kind in mem_kinds):
+def reader_for(regions: Iterable[Region], torch: Any) -> MemoryReader:
+    """What an adapter gives its endpoint for its ``regions``: host reads when every region is DRAM, else digests
+    on the device through the engine's ``torch`` (called only when ``torch`` has CUDA: a CPU engine's regions are
+    DRAM), by the kernel where Triton is installed, checked on each of the regions' GPUs now."""
+    regions = list(regions)
+    if all(r.mem_kind == "DRAM" for r in regions):
         return HOST
-    return TorchMemory(torch, kernel=digest_kernel())
+    memory = TorchMemory(torch, kernel=digest_kernel())
+    for device_id in sorted({r.device_id for r in regions if r.mem_kind == "VRAM"}):
+        memory.check_kernel(torch.device("cuda", device_id))
+    return memory
