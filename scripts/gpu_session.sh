@@ -17,17 +17,18 @@ GLM_PD_SMOKE_S=0 GLM_PD_GPU_TESTS_S=$((budget / 3)) scripts/gpu_smoke.sh
 tests=$?
 [ "$tests" -eq 77 ] && exit 77
 
-# the bench gets what is left but 90 s for the smoke; rows not started a minute before its end are skipped
-bench_s=$(($(left) - 90))
+# the bench gets what is left but 90 s for the smoke and 20 s for each part's start (imports, the check of what is
+# installed); rows not started 80 s before its end are skipped (the last row, the report, the child's close)
+bench_s=$(($(left) - 110))
 bench=0
-if [ "$bench_s" -gt 90 ]; then
-  GLM_PD_BENCH_S=$bench_s scripts/gpu_bench.sh --deadline-s $((bench_s - 60))
+if [ "$bench_s" -gt 120 ]; then
+  GLM_PD_BENCH_S=$bench_s scripts/gpu_bench.sh --deadline-s $((bench_s - 80))
   bench=$?
 else
   echo "gpu_session: no time left for the bench"
 fi
 
-smoke_s=$(($(left) - 10))
+smoke_s=$(($(left) - 30))
 smoke=0
 if [ "$smoke_s" -gt 30 ]; then
   GLM_PD_GPU_TESTS_S=0 GLM_PD_SMOKE_S=$smoke_s scripts/gpu_smoke.sh --pages 1024

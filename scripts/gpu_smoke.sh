@@ -12,16 +12,17 @@ cd "$(dirname "$0")/.."
 # Nothing is started where the smoke cannot run: it names what is missing.
 python3 -c "import sys; from tests.gpu.smoke import unavailable; r = unavailable(); r and print('SKIPPED:', r); \
 sys.exit(77 if r else 0)"
-# The device digests, the fault injector's VRAM corruption, glm-pd threads' device (two GPUs), the grant event
-# recorded before the forward, the GPU data path UCX picks (doctor's probe), the demo on GPU caches and staged
-# loads on the device first, under UCX's default settings; their results also land in $OUT/gpu_tests.xml. A
-# failure there is reported, and the smoke still runs.
+# The GPU tests first, newest code first (staging copies, glm-pd threads' own streams, device digests and the
+# kernel, the grant event recorded before the forward, glm-pd threads' device (two GPUs), the GPU data path UCX
+# picks (doctor's probe), the demo on GPU caches), under UCX's default settings; their results also land in
+# $OUT/gpu_tests.xml. A failure there is reported, and the smoke still runs.
 tests=0 tests_s=${GLM_PD_GPU_TESTS_S:-150} smoke_s=${GLM_PD_SMOKE_S:-270}
 if [ "$tests_s" -gt 0 ]; then
   PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -k 10 "$tests_s" python3 -m pytest -q -p no:cacheprovider \
-    -o addopts="--import-mode=importlib -ra" ${OUT:+--junitxml "$OUT/gpu_tests.xml"} \
-    tests/gpu/test_device_digests.py tests/gpu/test_thread_device.py tests/gpu/test_grant_event.py \
-    tests/gpu/test_datapath.py tests/gpu/test_demo_device.py tests/gpu/test_staged_device.py || tests=$?
+    -o addopts="--import-mode=importlib -ra --durations=0" ${OUT:+--junitxml "$OUT/gpu_tests.xml"} \
+    tests/gpu/test_staged_device.py tests/gpu/test_thread_stream.py tests/gpu/test_device_digests.py \
+    tests/gpu/test_grant_event.py tests/gpu/test_thread_device.py tests/gpu/test_datapath.py \
+    tests/gpu/test_demo_device.py || tests=$?
 fi
 # The smoke reads pipelined (cuda_ipc for READ between GPUs without NVLink, FACTS.md section 9) unless set.
 smoke=0

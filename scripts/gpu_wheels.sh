@@ -26,8 +26,14 @@ if compgen -G "$wheels/msgspec-*.whl" >/dev/null && ! compgen -G "$wheels/msgspe
     "GLM_PD_GPU_PYTHON set to it (--fetch-wheels)"
   exit 77
 fi
+# installed once per set of wheels (gpu_session.sh sources this three times; NIXL's CUDA wheel alone is ~120 MB)
 if compgen -G "$wheels/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl
+  stamp=$(stat -c '%n %s' "$wheels"/*.whl | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$site/.glm-pd-wheels" 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      "$wheels"/*.whl
+    echo "$stamp" >"$site/.glm-pd-wheels"
+  fi
 fi
 export PYTHONPATH="$site:$PWD:$PWD/common${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

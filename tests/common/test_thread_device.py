@@ -7,6 +7,7 @@ events and notes the device each call ran on; the services themselves are real, 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -20,18 +21,33 @@ from tests.support.device_double import DeviceDouble, NotingReader
 from tests.support.services import PAGE_TOKENS, Decode, Prefill, wait_for
 
 DEVICE = 3
+SETUP_CALLS = ("set_device", "set_stream")
 
 
 def _regions(spec):
     return HostCaches(spec, page_tokens=PAGE_TOKENS, num_pages=1).regions
 
 
-def test_the_setup_selects_the_device_the_regions_live_on(small_spec) -> None:
+def test_the_setup_selects_the_device_the_regions_live_on_and_a_stream_of_each_threads_own(small_spec) -> None:
+    """Off the device's default stream, where the engine's forward steps queue, and not shared between threads."""
     devices = DeviceDouble()
     regions = _regions(small_spec)
     assert thread_device(regions, devices.torch) is host_only  # host caches: no CUDA call at all
-    devices.setup_for(regions, DEVICE)()
-    assert devices.calls == [(devices.calls[0][0], "set_device", DEVICE)]
+    setup = devices.setup_for(regions, DEVICE)
+    streams = {}
+
+    def run() -> None:
+        setup()
+        streams[threading.current_thread().name] = devices.current_stream()
+
+    threads = [threading.Thread(target=run, name=f"glm-pd-t{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(devices.calls) == sorted((f"glm-pd-t{i}", call, DEVICE) for i in range(2) for call in SETUP_CALLS)
+    first, second = streams.values()
+    assert first is not None and second is not None and first is not second
 
 
 def test_regions_on_two_devices_are_refused_by_name(small_spec) -> None:
@@ -58,6 +74,8 @@ def test_service_threads_query_events_and_read_pages_on_the_rank_device(small_sp
         queried, copied = devices.off_main("event.query"), devices.off_main("copy")
         assert queried and copied, devices.calls  # prefill asked the event; decode's digests read the pages
         assert all(dev == DEVICE for _, dev in queried + copied), queried + copied
+        on_own_stream = {name for name, _ in devices.off_main("set_stream")}
+        assert {name for name, _ in queried + copied} <= on_own_stream, devices.calls
         assert any("prefill" in name for name, _ in queried) and any("decode" in name for name, _ in copied)
     finally:
         decode.close()

@@ -28,7 +28,9 @@ class DeviceDouble:
     @property
     def torch(self) -> Any:
         """What ``thread_device`` takes for the engine's ``torch`` module."""
-        return SimpleNamespace(cuda=SimpleNamespace(set_device=self.set_device, current_device=self.current_device))
+        cuda = SimpleNamespace(set_device=self.set_device, current_device=self.current_device)
+        cuda.Stream, cuda.set_stream = Stream, self.set_stream
+        return SimpleNamespace(cuda=cuda)
 
     def set_device(self, device: int) -> None:
         self._here.device = int(device)
@@ -36,6 +38,16 @@ class DeviceDouble:
 
     def current_device(self) -> int:
         return int(getattr(self._here, "device", 0))
+
+    def set_stream(self, stream: Stream) -> None:
+        """Notes the stream's device (it must be the thread's) and keeps the stream as the thread's current one."""
+        self._here.stream = stream
+        with self._lock:
+            self.calls.append((threading.current_thread().name, "set_stream", stream.device))
+
+    def current_stream(self) -> Stream | None:
+        """The stream this thread set (None: the device's default stream)."""
+        return getattr(self._here, "stream", None)
 
     def note(self, call: str) -> None:
         with self._lock:
@@ -53,6 +65,13 @@ class DeviceDouble:
         """(thread, device) of every ``call`` made on a thread other than the caller's main thread."""
         main = threading.main_thread().name
         return [(name, dev) for name, what, dev in self.calls if what == call and name != main]
+
+
+@dataclass(eq=False)
+class Stream:
+    """A new stream from torch's pool on ``device`` (a distinct object each time, as torch's pool hands them out)."""
+
+    device: int
 
 
 class Event:
