@@ -30,8 +30,9 @@ from glm_pd_common.transport.staging import row_bytes, row_index
 logger = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 128 * BLOCK_BYTES  # 16 MiB gathered at a time, plus 32 MiB of int64 products, per thread and device
-# the kernel's check at start-up: runs of whole words over three blocks, cut into pieces and tiles, mid-tile ends
-PROBE = np.random.default_rng(28).integers(0, 256, 3 * BLOCK_BYTES, dtype=np.uint8)
+# the kernel's check at start-up: runs of whole words over three blocks (of random bytes, made then), cut into
+# pieces and tiles, with mid-tile ends
+PROBE_BYTES = 3 * BLOCK_BYTES
 PROBE_RUNS = (np.array([BLOCK_BYTES + 4, 0, 2 * BLOCK_BYTES + 64]), np.array([BLOCK_BYTES + 4092, 4100, 8]))
 
 
@@ -64,26 +65,28 @@ class TorchMemory(SummingReader):
         kernel, torch = self.kernel, self._torch
         if kernel is None or not kernel.supports(device):
             return
+        probe = np.random.default_rng(28).integers(0, 256, PROBE_BYTES, dtype=np.uint8)
         offsets, lengths = PROBE_RUNS
-        stream = np.concatenate([PROBE[o : o + n] for o, n in zip(offsets, lengths, strict=True)])
+        stream = np.concatenate([probe[o : o + n] for o, n in zip(offsets, lengths, strict=True)])
         want = words_sum(stream.view("<i4"), BLOCK_WORDS)
         try:
-            with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-                words = torch.from_numpy(PROBE).to(device).view(torch.int32)
+            with self._on(device):
+                words = torch.from_numpy(probe).to(device).view(torch.int32)
                 got = kernel.runs_word_sum(torch, words, offsets, lengths, 1, self._keys(device))
         except Exception as exc:  # e.g. no compiler for Triton here: the ops give the same sums
-            logger.warning("glm-pd: the digest kernel failed on %s (%r); digesting with torch ops", device, exc)
-            self.kernel = None
+            self._leave_kernel(f"failed on {device} ({exc!r})")
             return
         if got != want:
-            logger.warning(
-                "glm-pd: the digest kernel's word sum on %s is %#x where the definition gives %#x; digesting with "
-                "torch ops",
-                device,
-                got,
-                want,
-            )
-            self.kernel = None
+            self._leave_kernel(f"gave {got:#x} on {device} where the definition gives {want:#x}")
+
+    def _leave_kernel(self, why: str) -> None:
+        """The one way the kernel is dropped: named, and the ops digest from then on."""
+        logger.warning("glm-pd: the digest kernel %s; digesting with torch ops from now on", why)
+        self.kernel = None
+
+    def _on(self, device: Any) -> Any:
+        """``device`` made current for the block (a CUDA device; nothing to select for the CPU)."""
+        return self._torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
     def word_sum(self, region: Region, offsets: np.ndarray, lengths: np.ndarray, first_byte: int) -> int:
         check_start(first_byte)
@@ -92,14 +95,13 @@ class TorchMemory(SummingReader):
         kernel = self.kernel
         if kernel is not None and kernel.supports(device) and _whole_words(region, offsets, lengths):
             try:
-                with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                with self._on(device):
                     space = self._region_bytes(region, device)
                     words = space[: space.numel() // WORD_BYTES * WORD_BYTES].view(torch.int32)
                     keys = self._keys(device)
                     return kernel.runs_word_sum(torch, words, offsets, lengths, first_byte // BLOCK_BYTES, keys)
             except Exception as exc:  # e.g. no compiler for Triton here: the ops below give the same sum
-                logger.warning("glm-pd: the digest kernel failed (%r); digesting with torch ops from now on", exc)
-                self.kernel = None
+                self._leave_kernel(f"failed ({exc!r})")
         packed = pack_runs(offsets, lengths, self.scratch_bytes)
         row = row_bytes(packed.offsets, packed.lengths, 0)  # divides every slot too: its pieces add up to it
         slot_rows = self.scratch_bytes // row
@@ -107,7 +109,7 @@ class TorchMemory(SummingReader):
         # a group's index at most the scratch's size (or one slot's, where rows are under 8 bytes)
         group = max(1, self.scratch_bytes // 8 // slot_rows)
         sums: list[Any] = []
-        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        with self._on(device):
             scratch = self._scratch(device)
             space = self._region_bytes(region, device)
             rows = space[: space.numel() // row * row].view(-1, row)
