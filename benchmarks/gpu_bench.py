@@ -15,7 +15,10 @@ buffer (``--staging-mib`` in ``--slot-mib`` slots). Rows, all from one run so th
 - ``staged``: the same pull through both ranks' staging slots (mode ``always``): prefill gathers each slot, decode
   READs it as one descriptor and scatters it; its ``batch`` is the slots read;
 - ``push``: SGLang's path: prefill posts the request's plan as one batch of WRITEs (``Transport.post_plan(...,
-  "WRITE")``, as ``glm_pd_sglang/transfer.py`` does per chunk), on both pools, directly (no staged push yet);
+  "WRITE")``, as ``glm_pd_sglang/transfer.py`` does per chunk), on both pools, directly;
+- ``staged push``: the same plan through staging slots (``handoff.staged_push``, as SGLang's manager runs it):
+  decode lends a pair, prefill gathers each slot while the previous one's WRITE is in flight, decode checks and
+  scatters each landed slot (the slot messages over the parent's pipe); its ``batch`` is the slots written;
 - ``streamed``: prefill's writer makes 16 chunks at a steady pace (a GPU sleep each, standing in for the forward;
   on host memory a host sleep), records each chunk's CUDA event and announces it with it
   (``advance_stream(..., ready=event)``), then grants the lease; decode loads with a ``stream_id``. Its seconds are

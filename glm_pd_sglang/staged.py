@@ -1,13 +1,13 @@
-"""Staged pushes (``transport.staging``): a chunk's fragmented runs written as one descriptor per slot.
+"""Staged pushes over SGLang's wire: the messages around ``handoff.staged_push`` (which gathers, writes and
+scatters the slots).
 
 Prefill asks the decode rank for a pair of its staging slots per room (``SlotAsk``); decode lends one if it has
-one free (``SlotLent``), else none and prefill posts the runs directly. For each slot prefill gathers the runs
-into a slot of its own pair, writes it as one descriptor into the lent slot ``k % 2`` and names where its bytes
-go (``SlotLanded``); decode checks that every one of those runs lies in the room's own pages, scatters the slot
-on its listener thread (never SGLang's scheduler thread) and answers ``SlotFree``. Prefill writes slot ``k + 2``
-only after slot ``k`` is free, and reports Success only once every slot is scattered. Decode takes the pair back
-once the push's last slot is scattered; a room cleared mid-push (failed, aborted) leaves its pair resting for
-``timeout_s`` first, so a write still in flight from that push cannot land in another room's slot.
+one free (``SlotLent``), else none and prefill posts the runs directly. Prefill names where each written slot's
+bytes go (``SlotLanded``); decode checks them against the room's own pages, scatters the slot on its listener
+thread (never SGLang's scheduler thread) and answers ``SlotFree``. Prefill reports Success only once every slot
+is scattered. Decode takes the pair back once the push's last slot is scattered; a room cleared mid-push (failed,
+aborted) leaves its pair resting for ``timeout_s`` first, so a write still in flight from that push cannot land
+in another room's slot.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import ProtocolError, TransferFailed
-from glm_pd_common.layout.landing import stray_run
+from glm_pd_common.handoff.staged_push import land_slot, lent_slots, push_slots
 from glm_pd_common.layout.plan import TransferPlan
 from glm_pd_common.transport.staging import Staging, staged_runs, stages
 from glm_pd_sglang import wire
@@ -107,29 +107,10 @@ class StagedPush:
             if not isinstance(lent, wire.SlotLent) or not lent.offsets:
                 return False  # decode has no pair free: direct
             slot_bytes = min(mine.slot_bytes, lent.slot_bytes)
-            if len(lent.offsets) != 2 or any(o < 0 or o + slot_bytes > theirs.size_bytes for o in lent.offsets):
-                raise ProtocolError(f"decode lent slots {lent.offsets[:4]} outside its {theirs.size_bytes} B buffer")
+            there = lent_slots(lent.offsets, theirs.base_addr, theirs.size_bytes, slot_bytes)
             runs = staged_runs(plan, slot_bytes)
-            for k in range(runs.num_slots):
-                if k >= 2:
-                    self._slot_free(room, t.agent_name, k - 2, timeout)
-                here = mine.slot_addr(pair, k)
-                mine.mover.gather(*runs.side(k, "src"), here)
-                there = theirs.base_addr + lent.offsets[k % 2]
-                size = np.array([runs.slot_bytes(k)])
-                xfer = self.transport.post(
-                    t.agent_name, "WRITE", np.array([here]), np.array([there]), size, what=f"staged slot {k}"
-                )
-                try:
-                    self.transport.wait(xfer, timeout)
-                finally:
-                    self.transport.release(xfer)
-                addrs, lengths = runs.side(k, "dst")
-                last = k == runs.num_slots - 1
-                landed = wire.SlotLanded(room, rank, k, last, addrs.tolist(), lengths.tolist())
-                self._send_multipart_locked(address, wire.frames(wire.TAG_SLOT_LANDED, landed))
-            for k in range(max(runs.num_slots - 2, 0), runs.num_slots):
-                self._slot_free(room, t.agent_name, k, timeout)
+            replies = _Replies(self, room, rank, t.agent_name, address, timeout)
+            push_slots(self.transport, t.agent_name, mine, pair, there, runs, timeout, replies)
         finally:
             self._slot_mail.close(room, t.agent_name)
             mine.pairs.give(pair)
@@ -141,12 +122,29 @@ class StagedPush:
         self._add_stat("slots", runs.num_slots)
         return True
 
-    def _slot_free(self, room: int, agent: str, k: int, timeout_s: float) -> None:
-        free = self._slot_mail.take(room, agent, timeout_s)
+
+@dataclass
+class _Replies:
+    """``staged_push.SlotReplies`` over SGLang's wire: ``SlotLanded`` out, decode's ``SlotFree`` from the mailbox."""
+
+    push: StagedPush
+    room: int
+    rank: int
+    agent: str
+    address: str
+    timeout_s: float
+
+    def landed(self, k: int, last: bool, addrs: np.ndarray, lengths: np.ndarray) -> None:
+        landed = wire.SlotLanded(self.room, self.rank, k, last, addrs.tolist(), lengths.tolist())
+        self.push._send_multipart_locked(self.address, wire.frames(wire.TAG_SLOT_LANDED, landed))
+
+    def freed(self, k: int) -> None:
+        free = self.push._slot_mail.take(self.room, self.agent, self.timeout_s)
         if isinstance(free, wire.SlotFree) and free.error:
-            raise TransferFailed(f"decode {agent} refused staged slot {free.slot} of room {room}: {free.error}")
+            why = f"decode {self.agent} refused staged slot {free.slot} of room {self.room}: {free.error}"
+            raise TransferFailed(why)
         if not isinstance(free, wire.SlotFree) or free.slot != k:
-            raise ProtocolError(f"decode {agent} answered {type(free).__name__} where slot {k} was to be freed")
+            raise ProtocolError(f"decode {self.agent} answered {type(free).__name__} where slot {k} was to be freed")
 
 
 @dataclass
@@ -203,24 +201,17 @@ class StagedLanding:
             return
         addrs = np.asarray(landed.addrs, dtype=np.int64)
         lengths = np.asarray(landed.lengths, dtype=np.int64)
-        if addrs.shape != lengths.shape or (lengths > staging.slot_bytes).any() or lengths.sum() > staging.slot_bytes:
-            error = (
-                f"{addrs.size} runs, {lengths.size} lengths, {int(lengths.sum())} B for a {staging.slot_bytes} B slot"
-            )
-        else:
-            error = stray_run(self.caches.regions, pages, addrs, lengths)
-        if not error:
-            try:
-                staging.mover.scatter(staging.slot_addr(lending.pair, landed.slot), addrs, lengths)
-            except Exception as exc:
-                error = f"scatter failed: {exc!r}"
+        error = land_slot(staging, self.caches.regions, pages, lending.pair, landed.slot, addrs, lengths)
         if error:
             logger.error("glm-pd decode: refused staged slot %d of room %d: %s", landed.slot, landed.room, error)
-        if landed.last or error:  # that push writes no more: its pair may be lent again
+        if landed.last or error:  # that push writes no more
             with self._lock:
                 if self._lent.get(key) is lending:
                     del self._lent[key]
-                    staging.pairs.give(lending.pair)
+                    if landed.last:
+                        staging.pairs.give(lending.pair)
+                    else:  # its next slot's WRITE may be in flight already: the pair rests, as a cleared room's
+                        self._resting.append((time.monotonic() + self.glm_config.timeout_s, lending.pair))
         free = wire.SlotFree(landed.room, self.transport.agent_name, landed.slot, error)
         self._send_multipart_locked(lending.reply_to, wire.frames(wire.TAG_SLOT_FREE, free))
 

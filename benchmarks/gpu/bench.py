@@ -33,8 +33,8 @@ class Bench:
 
     def warm_up(self) -> None:
         """One small pull (digests on, then off) handshakes the services and maps every region; one small staged
-        pull, push and raw op each way warm their paths. Nothing of this is measured; a warm-up that fails is
-        noted, and the rows still run (each says how it fared)."""
+        pull, push, staged push and raw op each way warm their paths. Nothing of this is measured; a warm-up that
+        fails is noted, and the rows still run (each says how it fared)."""
         d = self.d
         d.connect()
         steps: dict[str, Callable[[], object]] = {
@@ -42,6 +42,7 @@ class Bench:
             "pull": partial(runners.pull, d, "contiguous", False, pages=1),
             "staged pull": partial(runners.pull, d, "contiguous", False, staged=True, pages=1),
             "push": partial(runners.push, d, "contiguous", PAGE_TOKENS),
+            "staged push": partial(runners.push, d, "contiguous", PAGE_TOKENS, staged=True),
             "raw WRITE": partial(runners.raw, d, "WRITE", 4096),
             "raw READ": partial(runners.raw, d, "READ", 4096),
         }
@@ -94,6 +95,7 @@ class Bench:
             "pull": partial(runners.pull, d, pool, digests),
             "staged": partial(runners.pull, d, pool, digests, staged=True),
             "push": partial(runners.push, d, pool, self.args.tokens),
+            "staged push": partial(runners.push, d, pool, self.args.tokens, staged=True),
         }[mode]
 
     def run(self) -> None:

@@ -46,17 +46,29 @@ class Child:
             raise RuntimeError(f"prefill: {answer['error']}")
         return answer
 
-    def ask(self, cmd: dict[str, Any], progress: Callable[[], object] | None = None) -> dict[str, Any]:
-        """``cmd``'s answer; ``progress`` runs while waiting (decode's agent, when prefill WRITEs into it)."""
-        self.proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
+    def _say(self, obj: dict[str, Any]) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
-        return self._read(TIMEOUT_S * 2, progress)
+
+    def ask(
+        self,
+        cmd: dict[str, Any],
+        progress: Callable[[], object] | None = None,
+        landed: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """``cmd``'s answer; ``progress`` runs while waiting (decode's agent, when prefill WRITEs into it);
+        ``landed`` answers each slot a staged push says it wrote, until the push's own answer comes."""
+        self._say(cmd)
+        while True:
+            answer = self._read(TIMEOUT_S * 2, progress)
+            if landed is None or "landed" not in answer:
+                return answer
+            self._say(landed(answer))
 
     def close(self) -> None:
         try:
             if self.proc.poll() is None:
-                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")  # type: ignore[union-attr]
-                self.proc.stdin.flush()  # type: ignore[union-attr]
+                self._say({"op": "exit"})
                 self.proc.wait(timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             pass

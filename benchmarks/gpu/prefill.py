@@ -33,6 +33,9 @@ from benchmarks.gpu.ranks import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from glm_pd_common.layout.plan import TransferPlan
     from glm_pd_common.layout.regions import Region
 
 CHILD_TAG = "BENCH "  # marks the answers among whatever else reaches the child's stdout
@@ -48,10 +51,11 @@ class Prefill:
         self.caches = self.kind.caches(job["pool_pages"])
         self.flat, self._flat_buf = self.kind.flat(job["bytes"])
         self.raw, self.transport = transports(self.caches, self.flat, (RAW_PREFILL, PREFILL_AGENT), "WRITE")
-        staging = self.kind.staging(
+        self.staging = self.kind.staging(
             self.transport, self.caches.regions, size_bytes=job["staging_bytes"], slot_bytes=job["slot_bytes"]
         )
-        local = endpoint(PREFILL, self.kind.endpoint_extras(self.caches.regions), self.caches, self.transport, staging)
+        extras = self.kind.endpoint_extras(self.caches.regions)
+        local = endpoint(PREFILL, extras, self.caches, self.transport, self.staging)
         self.service = PrefillService(
             local, host="127.0.0.1", port=0, lease_s=TIMEOUT_S, timeout_s=TIMEOUT_S, streamed=True
         )
@@ -86,7 +90,7 @@ class Prefill:
             self.service.grant(cmd["request_id"], self.tables[cmd["pool"]][0][: cmd["pages"]])
             return {}
         if op == "push":
-            return self.push(cmd["pool"], cmd["tokens"])
+            return self.push(cmd["pool"], cmd["tokens"], cmd.get("staging"))
         if op == "open_stream":
             self.service.open_stream(cmd["transfer_id"], cmd["tokens"])
             return {}
@@ -97,15 +101,17 @@ class Prefill:
             return {"outcomes": sorted({f.outcome for f in self.ended}), "leftovers": self.service.leftovers()}
         raise ValueError(f"unknown command {op!r}")
 
-    def push(self, pool: str, tokens: int) -> dict[str, Any]:
-        """SGLang's posting: prefill's plan into decode's pages, WRITE, one batch (one chunk of the whole request),
-        posted directly (SGLang's path has no staged push yet)."""
+    def push(self, pool: str, tokens: int, lent: dict[str, Any] | None) -> dict[str, Any]:
+        """SGLang's posting: prefill's plan into decode's pages, WRITE, one chunk of the whole request: one batch,
+        or through the staging pair decode ``lent`` (``staged_push.push_slots``, as SGLang's manager calls it)."""
         from glm_pd_common.layout.pages import num_pages_for
         from glm_pd_common.layout.plan import build_plan
 
         pages = num_pages_for(tokens, PAGE_TOKENS)
         src, dst = (t[:pages] for t in self.tables[pool])
         plan = build_plan(self.caches.regions, self.decode_regions, src, dst, num_tokens=tokens, prefix_tokens=0)
+        if lent is not None:
+            return self.push_staged(plan, lent)
         t0 = time.perf_counter()
         xfer = self.transport.post_plan(DECODE_AGENT, plan, "WRITE")  # loaded by the service's handshake
         try:
@@ -114,6 +120,26 @@ class Prefill:
             self.transport.release(xfer)
         seconds = time.perf_counter() - t0
         return {"seconds": seconds, "bytes": sum(xfer.completed_bytes_by_kind.values()), "runs": plan.num_runs}
+
+    def push_staged(self, plan: TransferPlan, lent: dict[str, Any]) -> dict[str, Any]:
+        """The plan through one of this rank's pairs into the pair decode lent; each written slot is said to the
+        parent, which answers once it landed it."""
+        from glm_pd_common.handoff.staged_push import lent_slots, push_slots
+        from glm_pd_common.transport.staging import staged_runs
+
+        pair = self.staging.pairs.take()
+        if pair is None:
+            raise RuntimeError("prefill has no staging pair free")
+        try:
+            t0 = time.perf_counter()
+            slot_bytes = min(self.staging.slot_bytes, lent["slot_bytes"])
+            there = lent_slots(lent["offsets"], lent["base"], lent["size"], slot_bytes)
+            runs = staged_runs(plan, slot_bytes)
+            push_slots(self.transport, DECODE_AGENT, self.staging, pair, there, runs, TIMEOUT_S, ParentReplies())
+            seconds = time.perf_counter() - t0
+        finally:
+            self.staging.pairs.give(pair)
+        return {"seconds": seconds, "bytes": plan.num_bytes, "runs": plan.num_runs, "slots": runs.num_slots}
 
     def produce(self, transfer_id: str, pool: str, tokens: int, chunk_s: float) -> dict[str, Any]:
         """The streamed writer: ``CHUNKS`` chunks at ``chunk_s`` each, each announced behind its ready event, then
@@ -137,6 +163,22 @@ class Prefill:
         self.service.close()
         self.transport.close()
         self.raw.close()
+
+
+class ParentReplies:
+    """``staged_push.SlotReplies`` over the parent's pipe: a line out per written slot, a line back per freed one
+    (in order: the parent answers each slot it is told of)."""
+
+    def landed(self, k: int, last: bool, addrs: np.ndarray, lengths: np.ndarray) -> None:
+        say({"landed": k, "last": last})
+
+    def freed(self, k: int) -> None:
+        line = sys.stdin.readline()
+        answer = json.loads(line) if line else {}
+        if answer.get("freed") != k:
+            raise RuntimeError(f"the parent answered {line.strip()!r} where slot {k} was to be freed")
+        if answer["error"]:
+            raise RuntimeError(f"decode refused slot {k}: {answer['error']}")
 
 
 def say(obj: dict[str, Any]) -> None:

@@ -20,7 +20,9 @@ def notes(bench: Bench) -> list[str]:
     return [
         f"staged: both ranks stage through {staging.slot_bytes >> 20} MiB slots of a "
         f"{staging.span.size_bytes >> 20} MiB buffer ({staging.pairs.count} pairs each); batch = slots read",
-        "push rows post the plan directly; SGLang's staged push runs in its manager (tests/sglang), not here",
+        "staged push: prefill gathers each slot and WRITEs it into a pair decode lent (handoff.staged_push, as "
+        "SGLang's manager does), decode checks and scatters it; the slot messages go over the bench's pipe, not "
+        "SGLang's wire, and the lending is not timed",
         "pull/staged seconds: the read; load_s adds the claim's round trip and, with digests, both sides' digests",
         *bench.problems,
     ]

@@ -9,8 +9,9 @@ if TYPE_CHECKING:
     from glm_pd_common.transport.base import Op
 
 # The transfer modes measured on each pool, in order (``bench.Bench.runner`` runs each): mode → the NIXL operation
-# it posts. ``staged`` is ``pull`` through both ranks' staging slots; push has no staged form yet (SGLang's path).
-MODES: dict[str, Op] = {"pull": "READ", "staged": "READ", "push": "WRITE"}
+# it posts. ``staged`` is ``pull`` through both ranks' staging slots, ``staged push`` is ``push`` through them.
+MODES: dict[str, Op] = {"pull": "READ", "staged": "READ", "push": "WRITE", "staged push": "WRITE"}
+STAGED_MODES: tuple[str, ...] = ("staged", "staged push")
 DIGEST_MODES: tuple[str, ...] = ("pull", "staged")  # measured with digests on too (decode checks prefill's)
 
 

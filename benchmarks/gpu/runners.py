@@ -74,10 +74,45 @@ def pull(d: Decode, pool: str, digests: bool, staged: bool = False, pages: int |
     return Sample(result.seconds, moved, result.runs, result.batches, {"load_s": load_s})
 
 
-def push(d: Decode, pool: str, tokens: int) -> Sample:
-    """Prefill WRITEs its plan into decode's pages; decode's agent is progressed meanwhile."""
-    got = d.child.ask({"op": "push", "pool": pool, "tokens": tokens}, d.transport.notifs)
-    return Sample(got["seconds"], got["bytes"], got["runs"])
+def push(d: Decode, pool: str, tokens: int, staged: bool = False) -> Sample:
+    """Prefill WRITEs its plan into decode's pages; decode's agent is progressed meanwhile. Staged, decode lends
+    one of its pairs and lands each slot prefill says it wrote (``staged_push.land_slot``), cut from the same
+    plan (where a slot's bytes go needs no message); a slot it refuses fails the row."""
+    from glm_pd_common.handoff.staged_push import land_slot
+    from glm_pd_common.layout.pages import num_pages_for
+    from glm_pd_common.layout.plan import build_plan
+    from glm_pd_common.transport.staging import staged_runs
+
+    cmd = {"op": "push", "pool": pool, "tokens": tokens}
+    if not staged:
+        got = d.child.ask(cmd, d.transport.notifs)
+        return Sample(got["seconds"], got["bytes"], got["runs"])
+    pages = num_pages_for(tokens, PAGE_TOKENS)
+    src, dst = (t[:pages] for t in d.tables[pool])
+    regions = d.caches.regions  # prefill's have the same layout: the plan's decode side is what lands here
+    plan = build_plan(regions, regions, src, dst, num_tokens=tokens, prefix_tokens=0)
+    runs = staged_runs(plan, d.staging.slot_bytes)
+    pair = d.staging.pairs.take()
+    if pair is None:
+        raise RuntimeError("decode has no staging pair free")
+    refused: list[str] = []
+
+    def landed(said: dict[str, Any]) -> dict[str, Any]:
+        k = said["landed"]
+        error = land_slot(d.staging, regions, dst, pair, k, *runs.side(k, "dst"))
+        refused.extend([f"slot {k}: {error}"] if error else [])
+        return {"freed": k, "error": error}
+
+    span = d.staging.span
+    lent = [d.staging.slot_offset(pair, 0), d.staging.slot_offset(pair, 1)]
+    staging = {"offsets": lent, "base": span.base_addr, "size": span.size_bytes, "slot_bytes": d.staging.slot_bytes}
+    try:
+        got = d.child.ask({**cmd, "staging": staging}, d.transport.notifs, landed)
+    finally:
+        d.staging.pairs.give(pair)
+    if refused or got["slots"] != runs.num_slots:
+        raise RuntimeError(f"staged push: {got['slots']} of {runs.num_slots} slots; refused {refused[:2]}")
+    return Sample(got["seconds"], got["bytes"], got["runs"], got["slots"])
 
 
 def streamed(d: Decode, chunk_s: float, staged: bool = False) -> Sample:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from benchmarks.gpu.ranks import POOLS
-from benchmarks.gpu.rows import DIGEST_MODES, MODES, Row, find, ratios, raw_rates
+from benchmarks.gpu.rows import DIGEST_MODES, MODES, STAGED_MODES, Row, find, ratios, raw_rates
 
 STAGED_SHUFFLED_MIN = 0.25  # of the raw one-descriptor ceiling
 CONTIGUOUS_MIN = 0.90
@@ -42,7 +42,10 @@ def targets(rows: list[Row], paths: list[tuple[str, str, str]]) -> list[Target]:
     def of_ceiling(row: Row | None) -> float | None:
         return None if row is None else ratios(row, raw)[0]
 
-    out = [_at_least("staged shuffled of raw", of_ceiling(find(rows, "staged", "shuffled")), STAGED_SHUFFLED_MIN)]
+    out = [
+        _at_least(f"{mode} shuffled of raw", of_ceiling(find(rows, mode, "shuffled")), STAGED_SHUFFLED_MIN)
+        for mode in STAGED_MODES
+    ]
     for mode in MODES:
         out.append(_at_least(f"{mode} contiguous of raw", of_ceiling(find(rows, mode, "contiguous")), CONTIGUOUS_MIN))
     for mode in DIGEST_MODES:

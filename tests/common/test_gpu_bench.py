@@ -64,6 +64,7 @@ def test_targets_judge_rates_against_the_faster_raw_rate_and_name_what_was_not_m
     staged = got["staged shuffled of raw"]
     assert staged.ok is False and staged.measured == pytest.approx(0.2)
     assert got["staged contiguous of raw"].ok is None and got["staged contiguous of raw"].detail == "not measured"
+    assert got["staged push shuffled of raw"].ok is None  # held to the staged target too, once measured
     assert got["pull contiguous of raw"].ok is True
     assert got["pull contiguous of raw"].measured == pytest.approx(1 / 1.1)
     assert got["push contiguous of raw"].ok is None

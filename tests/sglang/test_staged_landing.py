@@ -73,7 +73,18 @@ def test_a_slot_lands_only_in_its_rooms_pages(small_spec) -> None:
     assert "does not lie in the request's pages" in refused.error
     view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 64).from_address(outside))
     assert not view.any(), "a refused slot wrote into another request's page"
-    assert d._lent == {} and d.endpoint.staging.pairs.lent() == 0  # that push is over: its pair is free
+    assert d._lent == {} and d.endpoint.staging.pairs.lent() == 1  # that push is over; its next WRITE may fly
+    d._room_pages[8] = np.array([1])
+    assert d.ask(8).offsets == [], "a refused push's pair was lent again while its next slot may still land"
+
+
+def test_a_pair_refused_mid_push_is_lent_again_once_its_rest_is_over(small_spec) -> None:
+    d = Landing(small_spec, timeout_s=0.0)
+    d._room_pages[7] = d._room_pages[8] = np.array([2, 3])
+    d.ask(7)
+    outside = d.caches.regions[0].base_addr + 5 * d.caches.regions[0].page_stride
+    assert d.land(7, 0, [outside], [64]).error
+    assert d.ask(8).offsets == [0, SLOT]
 
 
 def test_a_landed_slot_is_scattered_and_its_last_frees_the_pair(small_spec) -> None:

@@ -1,0 +1,118 @@
+"""Staged pushes, both ends' data plane: prefill WRITEs a plan into a pair of staging slots decode lent it, one
+descriptor per slot, and decode scatters each slot into the request's pages (SGLang's push; the engine carries
+the messages: which pair was lent, which slot landed, which is free again).
+
+Prefill gathers slot ``k`` into its own pair while slot ``k - 1``'s WRITE is in flight, so each gather overlaps
+the previous slot's move, as a staged pull's does. It says slot ``k`` landed only once that WRITE completed, and
+writes slot ``k + 2`` (into the lent slot ``k % 2``) only once decode freed slot ``k``. Decode checks that every
+run a landed slot names lies in the request's pages before a byte of it is scattered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from glm_pd_common.errors import ProtocolError, TransferFailed
+from glm_pd_common.layout.landing import stray_run
+from glm_pd_common.layout.regions import Region
+from glm_pd_common.transport.base import Transfer, Transport
+from glm_pd_common.transport.staging import StagedRuns, Staging
+
+
+class SlotReplies(Protocol):
+    """How prefill's push speaks to the decode rank, over the engine's wire."""
+
+    def landed(self, k: int, last: bool, addrs: np.ndarray, lengths: np.ndarray) -> None:
+        """Tell decode that slot ``k`` (in its lent slot ``k % 2``) holds these runs' bytes, in order."""
+        ...
+
+    def freed(self, k: int) -> None:
+        """Return once decode scattered slot ``k``; raise ``TransferFailed`` where it refused it or never
+        answered, ``ProtocolError`` where it answered out of turn."""
+        ...
+
+
+def lent_slots(offsets: Sequence[int], base_addr: int, size_bytes: int, slot_bytes: int) -> tuple[int, int]:
+    """The two slots decode lent, as addresses in its staging buffer (``base_addr``, ``size_bytes``), each of
+    ``slot_bytes`` within it; a pair that is not is refused before anything is written."""
+    if len(offsets) != 2 or any(o < 0 or o + slot_bytes > size_bytes for o in offsets):
+        raise ProtocolError(f"decode lent slots {list(offsets)[:4]} outside its {size_bytes} B buffer")
+    return base_addr + offsets[0], base_addr + offsets[1]
+
+
+def push_slots(
+    transport: Transport,
+    peer: str,
+    mine: Staging,
+    pair: int,
+    there: tuple[int, int],
+    runs: StagedRuns,
+    timeout_s: float,
+    replies: SlotReplies,
+) -> None:
+    """WRITE ``runs`` slot by slot through this rank's ``pair`` into decode's lent slots ``there``; returns once
+    decode freed every slot. On any failure the WRITE in flight is waited for (at most ``timeout_s``) and
+    released before this returns, so the caller may hand ``pair`` to another push."""
+    inflight: tuple[int, Transfer] | None = None
+
+    def land(k: int, xfer: Transfer) -> None:
+        try:
+            transport.wait(xfer, timeout_s)
+        finally:
+            transport.release(xfer)
+        replies.landed(k, k == runs.num_slots - 1, *runs.side(k, "dst"))
+
+    try:
+        for k in range(runs.num_slots):
+            if k >= 2:
+                replies.freed(k - 2)  # decode's slot k % 2 is free again (so is ours: its WRITE was waited for)
+            here = mine.slot_addr(pair, k)
+            mine.mover.gather(*runs.side(k, "src"), here)  # while slot k - 1 moves
+            local, remote, size = np.array([here]), np.array([there[k % 2]]), np.array([runs.slot_bytes(k)])
+            xfer = transport.post(peer, "WRITE", local, remote, size, what=f"staged slot {k}")
+            previous, inflight = inflight, (k, xfer)
+            if previous is not None:
+                land(*previous)
+        if inflight is not None:
+            done, inflight = inflight, None
+            land(*done)
+        for k in range(max(runs.num_slots - 2, 0), runs.num_slots):
+            replies.freed(k)
+    finally:
+        if inflight is not None:
+            _settle(transport, inflight[1], timeout_s)
+
+
+def _settle(transport: Transport, xfer: Transfer, timeout_s: float) -> None:
+    """A WRITE left in flight by a failed push: done, or given up on, before its slot may be written again."""
+    try:
+        transport.wait(xfer, timeout_s)
+    except TransferFailed:
+        pass  # the push already failed for its own reason; this slot's WRITE is released either way
+    finally:
+        transport.release(xfer)
+
+
+def land_slot(
+    staging: Staging,
+    regions: Sequence[Region],
+    pages: np.ndarray,
+    pair: int,
+    slot: int,
+    addrs: np.ndarray,
+    lengths: np.ndarray,
+) -> str:
+    """Decode: scatter slot ``slot`` of the lent ``pair`` over the runs prefill named, each checked first to lie
+    in the request's ``pages`` of ``regions``; why not ("" once scattered)."""
+    if addrs.shape != lengths.shape or (lengths > staging.slot_bytes).any() or lengths.sum() > staging.slot_bytes:
+        return f"{addrs.size} runs, {lengths.size} lengths, {int(lengths.sum())} B for a {staging.slot_bytes} B slot"
+    if error := stray_run(regions, pages, addrs, lengths):
+        return error
+    try:
+        staging.mover.scatter(staging.slot_addr(pair, slot), addrs, lengths)
+    except Exception as exc:  # the push fails by name; the engine keeps serving
+        return f"scatter failed: {exc!r}"
+    return ""
