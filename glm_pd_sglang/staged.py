@@ -6,8 +6,8 @@ one free (``SlotLent``), else none and prefill posts the runs directly. Prefill 
 bytes go (``SlotLanded``); decode checks them against the room's own pages, scatters the slot on its listener
 thread (never SGLang's scheduler thread) and answers ``SlotFree``. Prefill reports Success only once every slot
 is scattered. Decode takes the pair back once the push's last slot is scattered; a room cleared mid-push (failed,
-aborted) leaves its pair resting for ``timeout_s`` first, so a write still in flight from that push cannot land
-in another room's slot.
+aborted), or a slot refused, leaves its pair resting first (``REST_TIMEOUTS`` of ``timeout_s``), so a write still
+in flight from that push cannot land in another room's slot.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from sglang.srt.utils.network import NetworkAddress
 
 from glm_pd_common.errors import ProtocolError, TransferFailed
-from glm_pd_common.handoff.staged_push import land_slot, lent_slots, push_slots
+from glm_pd_common.handoff.staged_push import REST_TIMEOUTS, land_slot, lent_slots, push_slots
 from glm_pd_common.layout.plan import TransferPlan
 from glm_pd_common.transport.staging import Staging, staged_runs, stages
 from glm_pd_sglang import wire
@@ -211,7 +211,7 @@ class StagedLanding:
                     if landed.last:
                         staging.pairs.give(lending.pair)
                     else:  # its next slot's WRITE may be in flight already: the pair rests, as a cleared room's
-                        self._resting.append((time.monotonic() + self.glm_config.timeout_s, lending.pair))
+                        self._resting.append((self._rest_until(), lending.pair))
         free = wire.SlotFree(landed.room, self.transport.agent_name, landed.slot, error)
         self._send_multipart_locked(lending.reply_to, wire.frames(wire.TAG_SLOT_FREE, free))
 
@@ -221,12 +221,16 @@ class StagedLanding:
         for slots nobody will free."""
         with self._lock:
             self._room_pages.pop(room, None)
-            rest_until = time.monotonic() + self.glm_config.timeout_s
+            rest_until = self._rest_until()
             stopped = [self._lent.pop(key) for key in [k for k in self._lent if k[0] == room]]
             self._resting += [(rest_until, lending.pair) for lending in stopped]
         for lending in stopped:
             free = wire.SlotFree(room, self.transport.agent_name, 0, "decode ended the room during the push")
             self._send_multipart_locked(lending.reply_to, wire.frames(wire.TAG_SLOT_FREE, free))
+
+    def _rest_until(self) -> float:
+        """When a pair whose push this rank stopped may be lent again (``staged_push.REST_TIMEOUTS``)."""
+        return time.monotonic() + REST_TIMEOUTS * self.glm_config.timeout_s
 
     def _reclaim_rested(self, staging: Staging | None) -> None:
         """Pairs whose rest is over go back to the pool (under ``_lock``)."""

@@ -135,7 +135,12 @@ class Prefill:
             slot_bytes = min(self.staging.slot_bytes, lent["slot_bytes"])
             there = lent_slots(lent["offsets"], lent["base"], lent["size"], slot_bytes)
             runs = staged_runs(plan, slot_bytes)
-            push_slots(self.transport, DECODE_AGENT, self.staging, pair, there, runs, TIMEOUT_S, ParentReplies())
+            replies = ParentReplies()
+            try:
+                push_slots(self.transport, DECODE_AGENT, self.staging, pair, there, runs, TIMEOUT_S, replies)
+            except Exception:
+                replies.drain()
+                raise
             seconds = time.perf_counter() - t0
         finally:
             self.staging.pairs.give(pair)
@@ -167,18 +172,28 @@ class Prefill:
 
 class ParentReplies:
     """``staged_push.SlotReplies`` over the parent's pipe: a line out per written slot, a line back per freed one
-    (in order: the parent answers each slot it is told of)."""
+    (in order: the parent answers each slot it is told of, refused or not)."""
+
+    def __init__(self) -> None:
+        self.unread = 0  # answers the parent sent (or is sending) that were not read
 
     def landed(self, k: int, last: bool, addrs: np.ndarray, lengths: np.ndarray) -> None:
         say({"landed": k, "last": last})
+        self.unread += 1
 
     def freed(self, k: int) -> None:
         line = sys.stdin.readline()
+        self.unread -= 1
         answer = json.loads(line) if line else {}
         if answer.get("freed") != k:
             raise RuntimeError(f"the parent answered {line.strip()!r} where slot {k} was to be freed")
         if answer["error"]:
             raise RuntimeError(f"decode refused slot {k}: {answer['error']}")
+
+    def drain(self) -> None:
+        """After a failed push: the answers still coming, read, so the next command is read as one."""
+        while self.unread > 0 and sys.stdin.readline():
+            self.unread -= 1
 
 
 def say(obj: dict[str, Any]) -> None:

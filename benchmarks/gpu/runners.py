@@ -98,8 +98,12 @@ def push(d: Decode, pool: str, tokens: int, staged: bool = False) -> Sample:
     refused: list[str] = []
 
     def landed(said: dict[str, Any]) -> dict[str, Any]:
+        """Every slot prefill says it wrote is answered, refused where it cannot land (prefill waits for each)."""
         k = said["landed"]
-        error = land_slot(d.staging, regions, dst, pair, k, *runs.side(k, "dst"))
+        try:
+            error = land_slot(d.staging, regions, dst, pair, k, *runs.side(k, "dst"))
+        except Exception as exc:  # e.g. a slot beyond the plan's: refused by name, as a bench reports
+            error = f"{type(exc).__name__}: {exc}"
         refused.extend([f"slot {k}: {error}"] if error else [])
         return {"freed": k, "error": error}
 

@@ -4,10 +4,15 @@ the issue's targets read the rows. The bench itself runs on a GPU (``scripts/gpu
 
 from __future__ import annotations
 
+import io
+import json
+import sys
+
 import numpy as np
 import pytest
 
 from benchmarks.gpu.paths import chosen_path
+from benchmarks.gpu.prefill import ParentReplies
 from benchmarks.gpu.ranks import page_tables
 from benchmarks.gpu.rows import Row
 from benchmarks.gpu.targets import targets
@@ -83,3 +88,18 @@ def test_staging_options_default_to_64_mib_slots_in_512_mib_and_must_hold_a_pair
     assert (args.slot_mib, args.staging_mib) == (64, 512)
     with pytest.raises(SystemExit):
         parse(["--slot-mib", "64", "--staging-mib", "100"])
+
+
+def test_a_failed_staged_push_leaves_the_next_command_to_be_read_as_one(monkeypatch, capsys) -> None:
+    """The child's replies to the parent (benchmarks/gpu/prefill.py): slots 0 and 1 said landed, slot 0 refused;
+    the answer for slot 1 is still on the pipe and must not be taken for the next command."""
+    refused, freed, command = {"freed": 0, "error": "outside"}, {"freed": 1, "error": ""}, {"op": "finished"}
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(json.dumps(m) + "\n" for m in (refused, freed, command))))
+    replies = ParentReplies()
+    replies.landed(0, False, np.zeros(1), np.zeros(1))
+    replies.landed(1, True, np.zeros(1), np.zeros(1))
+    with pytest.raises(RuntimeError, match="decode refused slot 0: outside"):
+        replies.freed(0)
+    replies.drain()
+    assert json.loads(sys.stdin.readline()) == command
+    assert capsys.readouterr().out.count('"landed"') == 2

@@ -1,7 +1,8 @@
 """Staged pushes' data plane (``handoff.staged_push``) between two real NIXL agents over host caches: every byte
-lands where a direct push puts it, each slot's gather overlaps the previous slot's WRITE, and a push that fails
-leaves no WRITE in flight. The messages are the engine's (SGLang's: tests/sglang); here ``Replies`` carries them
-in-process to a decode half that calls the same ``land_slot`` the engine does."""
+lands where a direct push puts it, each slot's gather overlaps the previous slot's WRITE and decode's scatter of
+the one before, and a push that fails leaves no WRITE in flight. The messages are the engine's (SGLang's:
+tests/sglang); here ``Replies`` carries them in-process to a decode half that calls the same ``land_slot`` the
+engine does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from glm_pd_common.errors import ProtocolError, TransferFailed
+from glm_pd_common.handoff import staged_push
 from glm_pd_common.handoff.staged_push import land_slot, lent_slots, push_slots
 from glm_pd_common.layout.plan import build_plan
 from glm_pd_common.tools.hostmem import HostCaches, host_staging
@@ -66,14 +68,17 @@ def _progress(transport: Transport, stop: threading.Event) -> None:
 class Recorded:
     """Test double of a rank's transport and mover calls: the real ones, each call noted in ``events``."""
 
-    def __init__(self, inner: Any, events: list[tuple[str, int]], slot_of: dict[int, int]) -> None:
-        self.inner, self.events, self.slot_of = inner, events, slot_of
+    def __init__(self, inner: Any, events: list[tuple[str, int]], slot_of: dict[int, int], clock: Clock) -> None:
+        self.inner, self.events, self.slot_of, self.clock = inner, events, slot_of, clock
+        self.waits: list[tuple[int, float]] = []  # (slot, the seconds its wait was given)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
 class RecordedTransport(Recorded):
+    slots = 0  # the push's slots, once it returned
+
     def post(self, peer: str, op: Any, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, **kw: Any):
         xfer = self.inner.post(peer, op, local, remote, lengths, **kw)
         self.slot_of[id(xfer)] = len([e for e in self.events if e[0] == "post"])
@@ -81,6 +86,7 @@ class RecordedTransport(Recorded):
         return xfer
 
     def wait(self, xfer: Transfer, timeout_s: float | None = None) -> None:
+        self.waits.append((self.slot_of[id(xfer)], timeout_s or 0.0))
         self.inner.wait(xfer, timeout_s)
         self.events.append(("written", self.slot_of[id(xfer)]))
 
@@ -94,6 +100,18 @@ class RecordedMover(Recorded):
     def gather(self, addrs: np.ndarray, lengths: np.ndarray, into: int) -> None:
         self.events.append(("gather", len([e for e in self.events if e[0] == "gather"])))
         self.inner.gather(addrs, lengths, into)
+        self.clock.now += self.clock.per_gather
+
+
+@dataclass
+class Clock:
+    """Test double of ``staged_push``'s monotonic clock: it moves only as gathers run (``per_gather`` each)."""
+
+    per_gather: float = 0.0
+    now: float = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
 
 
 @dataclass
@@ -121,27 +139,32 @@ class Replies:
             raise TransferFailed(self.answers[k])
 
 
-def _push(prefill: Rank, decode: Rank, peer: str, replies: Replies, events: list[tuple[str, int]], src, dst) -> int:
+def _push(
+    prefill: Rank, decode: Rank, peer: str, replies: Replies, events: list, src, dst, clock: Clock | None = None
+) -> RecordedTransport:
     tokens = src.size * PAGE_TOKENS
     plan = build_plan(prefill.caches.regions, decode.caches.regions, src, dst, num_tokens=tokens, prefix_tokens=0)
     runs = staged_runs(plan, SLOT)
     slot_of: dict[int, int] = {}
-    transport = RecordedTransport(prefill.transport, events, slot_of)
-    mine = Staging(prefill.staging.span, SLOT, RecordedMover(prefill.staging.mover, events, slot_of), "always")
+    clock = clock or Clock()
+    transport = RecordedTransport(prefill.transport, events, slot_of, clock)
+    mover = RecordedMover(prefill.staging.mover, events, slot_of, clock)
+    mine = Staging(prefill.staging.span, SLOT, mover, "always")
     base, size = decode.staging.span.base_addr, decode.staging.span.size_bytes
     there = lent_slots([decode.staging.slot_offset(0, 0), decode.staging.slot_offset(0, 1)], base, size, SLOT)
     push_slots(transport, peer, mine, 0, there, runs, TIMEOUT_S, replies)  # type: ignore[arg-type]
-    return runs.num_slots
+    transport.slots = runs.num_slots
+    return transport
 
 
-def test_a_staged_push_lands_every_byte_and_overlaps_each_gather_with_the_previous_write(ranks) -> None:
+def test_a_staged_push_lands_every_byte_and_overlaps_each_gather_with_the_moves_before_it(ranks) -> None:
     prefill, decode, peer = ranks
     src = np.random.default_rng(SEED).permutation(NUM_PAGES)[:10]
     dst = np.random.default_rng(SEED + 1).permutation(NUM_PAGES)[:10]
     prefill.caches.write_tokens(src, 0, src.size * PAGE_TOKENS, seed=SEED)
     events: list[tuple[str, int]] = []
     replies = Replies(decode, dst, events)
-    slots = _push(prefill, decode, peer, replies, events, src, dst)
+    slots = _push(prefill, decode, peer, replies, events, src, dst).slots
     assert slots >= 4, f"the case needs several slots per pair, got {slots}"
     assert decode.caches.mismatched_tokens(dst, 0, src.size * PAGE_TOKENS, seed=SEED) == []
     at = {e: i for i, e in enumerate(events)}
@@ -149,9 +172,24 @@ def test_a_staged_push_lands_every_byte_and_overlaps_each_gather_with_the_previo
         assert at[("written", k)] < at[("landed", k)] < at[("freed", k)]
         if k >= 1:  # gathered while the previous slot's WRITE was in flight
             assert at[("post", k - 1)] < at[("gather", k)] < at[("written", k - 1)], events
-        if k >= 2:  # its lent slot and its own were free again first
-            assert at[("freed", k - 2)] < at[("gather", k)]
+        if k >= 2:  # gathered into its own slot once that slot's last WRITE was done, while decode scattered
+            # slot k - 2; written into decode's slot only once decode freed it
+            assert at[("written", k - 2)] < at[("gather", k)] < at[("freed", k - 2)] < at[("post", k)], events
     assert all(replies.answers[k] == "" for k in range(slots))
+
+
+def test_each_write_is_given_up_on_timeout_s_after_its_post_not_after_its_wait_began(ranks, monkeypatch) -> None:
+    """Decode rests a stopped push's pair for a bounded time: a WRITE waited for after the next slot's gather
+    must not get a whole timeout_s more from there (the clock moves 3 s per gather, by construction)."""
+    prefill, decode, peer = ranks
+    clock = Clock(per_gather=3.0)
+    monkeypatch.setattr(staged_push, "time", clock)
+    src, dst = np.arange(10), np.arange(10)
+    events: list[tuple[str, int]] = []
+    pushed = _push(prefill, decode, peer, Replies(decode, dst, events), events, src, dst, clock)
+    assert pushed.slots >= 3
+    expected = [(k, TIMEOUT_S - 3.0) for k in range(pushed.slots - 1)] + [(pushed.slots - 1, TIMEOUT_S)]
+    assert pushed.waits == expected  # the last slot's WRITE has no gather after its post
 
 
 def test_a_refused_slot_fails_the_push_with_no_write_left_in_flight(ranks) -> None:

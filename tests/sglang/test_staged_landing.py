@@ -8,6 +8,7 @@ real transports, is tests/sglang/test_handoff.py's staged cases; these cases are
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -74,6 +75,8 @@ def test_a_slot_lands_only_in_its_rooms_pages(small_spec) -> None:
     view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 64).from_address(outside))
     assert not view.any(), "a refused slot wrote into another request's page"
     assert d._lent == {} and d.endpoint.staging.pairs.lent() == 1  # that push is over; its next WRITE may fly
+    ((until, _),) = d._resting
+    assert until - time.monotonic() > 1.5 * 3600, "rests less than twice timeout_s: prefill's WRITEs may outlive it"
     d._room_pages[8] = np.array([1])
     assert d.ask(8).offsets == [], "a refused push's pair was lent again while its next slot may still land"
 

@@ -2,14 +2,15 @@
 descriptor per slot, and decode scatters each slot into the request's pages (SGLang's push; the engine carries
 the messages: which pair was lent, which slot landed, which is free again).
 
-Prefill gathers slot ``k`` into its own pair while slot ``k - 1``'s WRITE is in flight, so each gather overlaps
-the previous slot's move, as a staged pull's does. It says slot ``k`` landed only once that WRITE completed, and
-writes slot ``k + 2`` (into the lent slot ``k % 2``) only once decode freed slot ``k``. Decode checks that every
-run a landed slot names lies in the request's pages before a byte of it is scattered.
+Prefill gathers slot ``k`` into its own pair while slot ``k - 1``'s WRITE is in flight and decode scatters slot
+``k - 2``, so its gathers overlap both, as a staged pull's do. It says slot ``k`` landed only once that WRITE
+completed, and writes slot ``k + 2`` (into the lent slot ``k % 2``) only once decode freed slot ``k``. Decode
+checks that every run a landed slot names lies in the request's pages before a byte of it is scattered.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -20,6 +21,11 @@ from glm_pd_common.layout.landing import stray_run
 from glm_pd_common.layout.regions import Region
 from glm_pd_common.transport.base import Transfer, Transport
 from glm_pd_common.transport.staging import StagedRuns, Staging
+
+# How long decode rests a pair whose push it stopped (a refused slot, a cleared room), in its timeout_s: a WRITE
+# prefill posted before it heard is released within timeout_s of its post, and it may post one more before it
+# hears (a gather after decode stopped it), with a timeout_s of its own that need not be decode's.
+REST_TIMEOUTS = 2
 
 
 class SlotReplies(Protocol):
@@ -54,42 +60,49 @@ def push_slots(
     replies: SlotReplies,
 ) -> None:
     """WRITE ``runs`` slot by slot through this rank's ``pair`` into decode's lent slots ``there``; returns once
-    decode freed every slot. On any failure the WRITE in flight is waited for (at most ``timeout_s``) and
-    released before this returns, so the caller may hand ``pair`` to another push."""
-    inflight: tuple[int, Transfer] | None = None
+    decode freed every slot. Each WRITE is done or released within ``timeout_s`` of its post, on failure too, and
+    none is in flight when this returns, so the caller may hand ``pair`` to another push (decode rests a pair
+    whose push it stopped: ``REST_TIMEOUTS``)."""
+    inflight: tuple[int, Transfer, float] | None = None  # slot, its WRITE, when that WRITE is given up on
 
-    def land(k: int, xfer: Transfer) -> None:
+    def land(k: int, xfer: Transfer, deadline: float) -> None:
         try:
-            transport.wait(xfer, timeout_s)
+            transport.wait(xfer, _until(deadline))
         finally:
             transport.release(xfer)
         replies.landed(k, k == runs.num_slots - 1, *runs.side(k, "dst"))
 
     try:
         for k in range(runs.num_slots):
+            here = mine.slot_addr(pair, k)  # free: its last WRITE (slot k - 2) was waited for
+            mine.mover.gather(*runs.side(k, "src"), here)  # while slot k - 1 moves and decode scatters k - 2
             if k >= 2:
-                replies.freed(k - 2)  # decode's slot k % 2 is free again (so is ours: its WRITE was waited for)
-            here = mine.slot_addr(pair, k)
-            mine.mover.gather(*runs.side(k, "src"), here)  # while slot k - 1 moves
+                replies.freed(k - 2)  # decode's slot k % 2 is free again
             local, remote, size = np.array([here]), np.array([there[k % 2]]), np.array([runs.slot_bytes(k)])
             xfer = transport.post(peer, "WRITE", local, remote, size, what=f"staged slot {k}")
-            previous, inflight = inflight, (k, xfer)
+            previous, inflight = inflight, (k, xfer, time.monotonic() + timeout_s)
             if previous is not None:
                 land(*previous)
         if inflight is not None:
-            done, inflight = inflight, None
-            land(*done)
+            last, inflight = inflight, None
+            land(*last)
         for k in range(max(runs.num_slots - 2, 0), runs.num_slots):
             replies.freed(k)
     finally:
         if inflight is not None:
-            _settle(transport, inflight[1], timeout_s)
+            _settle(transport, inflight[1], inflight[2])
 
 
-def _settle(transport: Transport, xfer: Transfer, timeout_s: float) -> None:
-    """A WRITE left in flight by a failed push: done, or given up on, before its slot may be written again."""
+def _until(deadline: float) -> float:
+    """The seconds left to ``deadline``; past it, a moment, so a WRITE that completed meanwhile still counts."""
+    return max(deadline - time.monotonic(), 1e-3)
+
+
+def _settle(transport: Transport, xfer: Transfer, deadline: float) -> None:
+    """A WRITE left in flight by a failed push: done, or given up on by ``deadline``, before its slot may be
+    written again."""
     try:
-        transport.wait(xfer, timeout_s)
+        transport.wait(xfer, _until(deadline))
     except TransferFailed:
         pass  # the push already failed for its own reason; this slot's WRITE is released either way
     finally:
