@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import Protocol
 
 import numpy as np
@@ -66,10 +67,7 @@ def push_slots(
     inflight: tuple[int, Transfer, float] | None = None  # slot, its WRITE, when that WRITE is given up on
 
     def land(k: int, xfer: Transfer, deadline: float) -> None:
-        try:
-            transport.wait(xfer, _until(deadline))
-        finally:
-            transport.release(xfer)
+        _finish(transport, xfer, deadline)
         replies.landed(k, k == runs.num_slots - 1, *runs.side(k, "dst"))
 
     try:
@@ -89,22 +87,16 @@ def push_slots(
         for k in range(max(runs.num_slots - 2, 0), runs.num_slots):
             replies.freed(k)
     finally:
-        if inflight is not None:
-            _settle(transport, inflight[1], inflight[2])
+        if inflight is not None:  # a failed push's WRITE: done or given up on before its slot is written again
+            with suppress(TransferFailed):  # the push already failed for its own reason
+                _finish(transport, inflight[1], inflight[2])
 
 
-def _until(deadline: float) -> float:
-    """The seconds left to ``deadline``; past it, a moment, so a WRITE that completed meanwhile still counts."""
-    return max(deadline - time.monotonic(), 1e-3)
-
-
-def _settle(transport: Transport, xfer: Transfer, deadline: float) -> None:
-    """A WRITE left in flight by a failed push: done, or given up on by ``deadline``, before its slot may be
-    written again."""
+def _finish(transport: Transport, xfer: Transfer, deadline: float) -> None:
+    """Wait for a WRITE until ``deadline`` (past it, a moment, so one that completed meanwhile still counts), and
+    release it whatever the wait gave."""
     try:
-        transport.wait(xfer, _until(deadline))
-    except TransferFailed:
-        pass  # the push already failed for its own reason; this slot's WRITE is released either way
+        transport.wait(xfer, max(deadline - time.monotonic(), 1e-3))
     finally:
         transport.release(xfer)
 
